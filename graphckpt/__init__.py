@@ -1,0 +1,27 @@
+"""graphckpt: gradient checkpointing for Keras 3 functional models."""
+
+from graphckpt.api import checkpoint_model, is_checkpointed, plan
+from graphckpt.errors import (
+    GraphckptError,
+    InfeasibleBudgetError,
+    InvalidArgumentError,
+    NotAModelError,
+    UnsupportedModelError,
+)
+from graphckpt.plan import Plan
+from graphckpt.segment import Segment
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "checkpoint_model",
+    "plan",
+    "is_checkpointed",
+    "Plan",
+    "Segment",
+    "GraphckptError",
+    "NotAModelError",
+    "UnsupportedModelError",
+    "InvalidArgumentError",
+    "InfeasibleBudgetError",
+]

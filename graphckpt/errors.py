@@ -1,0 +1,34 @@
+"""The errors graphckpt raises.
+
+Every error is a `GraphckptError`. Each also derives from the builtin that
+fits it (`TypeError` or `ValueError`), so `except ValueError` keeps working.
+Messages say what was received, what was expected, and end with a tip.
+"""
+
+__all__ = [
+    "GraphckptError",
+    "NotAModelError",
+    "UnsupportedModelError",
+    "InvalidArgumentError",
+    "InfeasibleBudgetError",
+]
+
+
+class GraphckptError(Exception):
+    """Base class of all graphckpt errors."""
+
+
+class NotAModelError(GraphckptError, TypeError):
+    """The object passed is not a Keras model."""
+
+
+class UnsupportedModelError(GraphckptError, ValueError):
+    """A Keras model graphckpt cannot rewrite (subclassed, unbuilt, ...)."""
+
+
+class InvalidArgumentError(GraphckptError, ValueError):
+    """An argument has a value outside the accepted set."""
+
+
+class InfeasibleBudgetError(InvalidArgumentError):
+    """A memory budget below what any plan can reach."""

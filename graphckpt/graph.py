@@ -1,0 +1,134 @@
+"""Keras functional model -> `networkx.DiGraph` of layer calls.
+
+Contract:
+- One node per layer *call* (Keras `Node`), keyed `(layer_name, node_index)`:
+  a layer shared by two calls gives two nodes. Model inputs are nodes too,
+  with `kind="input"`; every other node has `kind="layer"`.
+- A nested functional model or Sequential used as a layer is **one node**;
+  it is not flattened. (To checkpoint inside a nested backbone, checkpoint the
+  backbone itself.)
+- One edge per producer -> consumer pair. Its `tensors` attribute lists the
+  keys of the tensors that flow along it; a key is
+  `(layer_name, node_index, tensor_index)`, Keras's own `_keras_history`.
+- `graph.graph["tensors"]` maps each tensor key to a `TensorInfo`;
+  `graph.graph["inputs"]` / `["outputs"]` list the model's input and output
+  tensor keys, flattened, in the model's order.
+
+Node attributes: `kind`, `layer` (the Keras operation), `class_name`,
+`position` (the call's position in Keras's execution order), `node` (the
+Keras `Node`). The planner reads only `kind`, `position` and the tensor data.
+"""
+
+import dataclasses
+import math
+
+import networkx as nx
+
+__all__ = ["TensorInfo", "build_graph", "functional_of", "tensor_key"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Static facts about one symbolic tensor.
+
+    `nbytes` counts one example (the batch dimension left out); unknown
+    dimensions count as 1.
+    """
+
+    key: tuple
+    producer: tuple
+    shape: tuple
+    dtype: str
+    nbytes: int
+
+
+def tensor_key(tensor):
+    """The graph key of a KerasTensor: `(layer_name, node_index, index)`."""
+    op, node_index, tensor_index = tensor._keras_history
+    return (op.name, node_index, tensor_index)
+
+
+def _node_key(node):
+    op = node.operation
+    return (op.name, op._inbound_nodes.index(node))
+
+
+def _itemsize(dtype):
+    import numpy as np
+
+    try:
+        return np.dtype(str(dtype)).itemsize
+    except TypeError:  # bfloat16 and friends are not numpy dtypes
+        digits = "".join(c for c in str(dtype) if c.isdigit())
+        return max(int(digits or 32) // 8, 1)
+
+
+def _tensor_info(tensor, producer):
+    shape = tuple(tensor.shape)
+    per_example = math.prod(d if d is not None else 1 for d in shape[1:])
+    return TensorInfo(
+        key=tensor_key(tensor),
+        producer=producer,
+        shape=shape,
+        dtype=str(tensor.dtype),
+        nbytes=int(per_example * _itemsize(tensor.dtype)),
+    )
+
+
+def functional_of(model):
+    """The `Functional` that holds `model`'s graph (a Sequential's inner one)."""
+    import keras
+
+    if isinstance(model, keras.Sequential):
+        return model._functional
+    return model
+
+
+def build_graph(model):
+    """Builds the layer-call graph of a built functional model.
+
+    Args:
+        model: A built `keras.Model` made with the functional API, or a built
+            `keras.Sequential`.
+
+    Returns:
+        A `networkx.DiGraph`, as described in the module docstring.
+
+    Example:
+        >>> g = build_graph(model)
+        >>> [k for k, d in g.nodes(data=True) if d["kind"] == "layer"]
+    """
+    fn = functional_of(model)
+    graph = nx.DiGraph()
+    tensors = {}
+    position = 0
+    for depth in sorted(fn._nodes_by_depth, reverse=True):
+        for node in fn._nodes_by_depth[depth]:
+            key = _node_key(node)
+            graph.add_node(
+                key,
+                kind="input" if node.is_input else "layer",
+                layer=node.operation,
+                class_name=type(node.operation).__name__,
+                position=position,
+                node=node,
+            )
+            position += 1
+            for t in node.outputs:
+                tensors[tensor_key(t)] = _tensor_info(t, key)
+    for key, data in graph.nodes(data=True):
+        if data["kind"] == "input":
+            continue
+        for t in data["node"].input_tensors:
+            tk = tensor_key(t)
+            producer = tensors[tk].producer
+            edge = graph.get_edge_data(producer, key)
+            if edge is None:
+                graph.add_edge(producer, key, tensors=(tk,))
+            elif tk not in edge["tensors"]:
+                edge["tensors"] += (tk,)
+    graph.graph["tensors"] = tensors
+    graph.graph["inputs"] = [tensor_key(t) for t in fn.inputs]
+    graph.graph["outputs"] = [tensor_key(t) for t in fn.outputs]
+    graph.graph["name"] = model.name
+    return graph

@@ -1,0 +1,95 @@
+"""(model, plan) -> a new functional model made of `Segment` layers.
+
+The new model reuses the original's input tensors and the very same layer
+objects: each segment's sub-model replays the original layer calls
+(`Node.arguments`, the way `Functional` runs its own graph) on fresh
+`keras.Input`s. Replaying a call adds an inbound node to the layer, as any
+functional reuse of a layer does; the original model's own nodes, config
+and weights are untouched. If the rewrite fails part-way, the added nodes
+are removed again.
+"""
+
+import keras
+from keras import tree
+
+from graphckpt.graph import functional_of, tensor_key
+from graphckpt.segment import Segment
+
+__all__ = ["rewrite"]
+
+
+def _segment_model(graph, seg, name):
+    """The functional sub-model of one planned segment."""
+    tensors = graph.graph["tensors"]
+    values = {}
+    inputs = []
+    for key in seg.inputs:
+        info = tensors[key]
+        x = keras.Input(batch_shape=info.shape, dtype=info.dtype, name=f"{name}_in{len(inputs)}")
+        values[key] = x
+        inputs.append(x)
+    for node_key in seg.nodes:
+        node = graph.nodes[node_key]["node"]
+        by_id = {id(t): values[tensor_key(t)] for t in node.input_tensors}
+        args, kwargs = node.arguments.fill_in(by_id)
+        outputs = tree.flatten(node.operation(*args, **kwargs))
+        for original, new in zip(node.outputs, outputs):
+            values[tensor_key(original)] = new
+    outputs = [values[key] for key in seg.outputs]
+    return keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model")
+
+
+def _unique(name, taken):
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}_{i}", i + 1
+    taken.add(candidate)
+    return candidate
+
+
+def _nodes_lengths(graph):
+    layers = {id(d["layer"]): d["layer"] for _, d in graph.nodes(data=True)}
+    return {i: (layer, len(layer._inbound_nodes), len(layer._outbound_nodes)) for i, layer in layers.items()}
+
+
+def _restore_nodes(lengths):
+    for layer, n_in, n_out in lengths.values():
+        del layer._inbound_nodes[n_in:]
+        del layer._outbound_nodes[n_out:]
+
+
+def rewrite(model, graph, plan):
+    """Builds the checkpointed functional model for `plan`.
+
+    Args:
+        model: the built functional model (or Sequential) `graph` came from.
+        graph: its layer-call graph.
+        plan: a `graphckpt.plan.Plan` over `graph`.
+
+    Returns:
+        A new `keras.Model` with the same inputs and output structure, whose
+        layers are `Segment`s (plus one `Identity` per output, which keeps the
+        original output names).
+    """
+    fn = functional_of(model)
+    lengths = _nodes_lengths(graph)
+    try:
+        values = {tensor_key(t): t for t in fn.inputs}
+        taken = {t.name for t in fn.inputs}
+        for seg in plan.segments:
+            name = _unique(f"segment_{seg.index}", taken)
+            layer = Segment(_segment_model(graph, seg, name), name=name)
+            outs = layer([values[k] for k in seg.inputs])
+            values.update(zip(seg.outputs, outs))
+        outputs = []
+        for key, original in zip(graph.graph["outputs"], fn.outputs):
+            out = values[key]
+            if key not in graph.graph["inputs"]:
+                out_name = _unique(original._keras_history.operation.name, taken)
+                out = keras.layers.Identity(name=out_name)(out)
+            outputs.append(out)
+        outputs = tree.pack_sequence_as(fn._outputs_struct, outputs)
+        return keras.Model(inputs=fn._inputs_struct, outputs=outputs, name=f"{model.name}_checkpointed")
+    except Exception:
+        _restore_nodes(lengths)
+        raise

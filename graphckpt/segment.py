@@ -1,0 +1,177 @@
+"""The segment layer: one sub-model, run under exact rematerialization.
+
+In training, a `Segment` runs its sub-model through `keras.remat`, so the
+backward pass keeps only the segment's inputs and recomputes its interior.
+Recompute that differs from the forward pass gives wrong gradients, so:
+
+- **Random layers and BatchNormalization.** Every non-trainable variable of
+  the sub-model (seed-generator states, moving statistics, frozen weights) is
+  frozen to a snapshot taken *before* the forward pass, through a
+  `keras.StatelessScope`. The forward pass and its recompute read the same
+  snapshot, so they draw the same random numbers. The state the forward pass
+  wrote is returned from the rematerialized function and assigned once,
+  outside it: moving statistics are updated exactly once per step.
+- **Trainable variables** are read normally, so the backend's remat finds
+  them and returns their gradients without copying them.
+- **Layer losses** (`add_loss`, activity regularizers) are collected by the
+  scope and returned as outputs of the rematerialized function, then added
+  to this layer, so their gradients flow. Weight regularizers are computed
+  from the variables by `Model.losses` and need nothing here.
+- **Masks** cross the segment boundary explicitly, both ways.
+- Only floating-point inputs are arguments of the rematerialized function;
+  integer and boolean inputs are closed over. `training` is bound in the
+  closure, never passed as a keyword (keras-team/keras#21207).
+
+With `training` false or None the sub-model is called directly: inference
+never takes the rematerialization path.
+"""
+
+import keras
+from keras import ops
+
+# Stateless-scope and mask helpers have no public spelling in Keras 3.
+from keras.src import backend as keras_backend
+
+__all__ = ["Segment"]
+
+
+def _snapshot(variable):
+    """The variable's current value, as a tensor that later assignments to
+    the variable cannot change."""
+    backend = keras.backend.backend()
+    value = variable.value
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.identity(value)
+    if backend == "torch":
+        return value.detach().clone()
+    return value  # jax and numpy arrays are immutable
+
+
+def _is_float(x):
+    return "float" in keras.backend.standardize_dtype(x.dtype)
+
+
+def _outer_values(variables):
+    """Values of `variables` in an enclosing StatelessScope (JAX's trainer
+    runs whole steps in one), else None."""
+    scope = keras_backend.get_stateless_scope() if keras_backend.in_stateless_scope() else None
+    if scope is None:
+        return None
+    return [scope.get_current_value(v) for v in variables]
+
+
+@keras.saving.register_keras_serializable(package="graphckpt")
+class Segment(keras.layers.Layer):
+    """Runs a functional sub-model with exact rematerialization in training.
+
+    Args:
+        model: a functional `keras.Model` whose inputs and outputs are flat
+            lists. Its layers are used as they are, not copied.
+        **kwargs: base `Layer` arguments (`name`, ...).
+
+    Call arguments:
+        inputs: a list of tensors, one per sub-model input.
+        training: rematerialize when true; call directly otherwise.
+        mask: optional list of masks, one per input.
+
+    Returns:
+        A list of tensors, one per sub-model output, with masks attached.
+    """
+
+    def __init__(self, model, **kwargs):
+        kwargs.setdefault("autocast", False)
+        super().__init__(**kwargs)
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
+        self.model = model
+        self.supports_masking = True
+        self._convert_input_args = False
+        self.built = True
+        # Recompute counter; tests use it to prove recompute happens (eager).
+        self.forward_calls = 0
+
+    def call(self, inputs, training=None, mask=None):
+        inputs = list(inputs)
+        masks = list(mask) if mask is not None else [None] * len(inputs)
+        if not training:
+            outputs = self.model(inputs, training=training, mask=masks)
+            return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        return self._remat_call(inputs, masks)
+
+    def _remat_call(self, inputs, masks):
+        model = self.model
+        state = [v for v in model.variables if not v.trainable]
+        trainable = [v for v in model.variables if v.trainable]
+        snapshot = [_snapshot(v) for v in state]
+        # Under an enclosing StatelessScope, trainable values live there.
+        outer = _outer_values(trainable)
+        mapping = list(zip(state, snapshot))
+        if outer is not None:
+            mapping += [(v, x) for v, x in zip(trainable, outer) if x is not None]
+        float_idx = [i for i, x in enumerate(inputs) if _is_float(x)]
+        layout = {}
+
+        def forward(*float_args):
+            self.forward_calls += 1
+            xs = list(inputs)
+            for i, x in zip(float_idx, float_args):
+                xs[i] = x
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                before = dict(scope.state_mapping)
+                outs = model(xs, training=True, mask=masks)
+                outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+                out_masks = [keras_backend.get_keras_mask(o) for o in outs]
+                updated = [
+                    i
+                    for i, v in enumerate(state)
+                    if scope.state_mapping.get(id(v)) is not before.get(id(v))
+                ]
+                new_state = [ops.stop_gradient(scope.get_current_value(state[i])) for i in updated]
+                losses = list(scope.losses)
+            found = (
+                len(outs),
+                tuple(i for i, m in enumerate(out_masks) if m is not None),
+                tuple(updated),
+                len(losses),
+            )
+            if layout.setdefault("found", found) != found:
+                raise RuntimeError(
+                    f"Segment '{self.name}' recomputed a different structure "
+                    f"than its forward pass ({found} vs {layout['found']})."
+                )
+            # Masks travel as floats: no gradient, no bool arithmetic in remat.
+            float_masks = [ops.cast(out_masks[i], "float32") for i in found[1]]
+            return tuple(outs + float_masks + new_state + losses)
+
+        results = list(keras.remat(forward)(*[inputs[i] for i in float_idx]))
+        n_out, masked, updated, n_losses = layout["found"]
+        outs = results[:n_out]
+        rest = results[n_out:]
+        for i, m in zip(masked, rest[: len(masked)]):
+            keras_backend.set_keras_mask(outs[i], ops.cast(m, "bool"))
+        rest = rest[len(masked) :]
+        for i, value in zip(updated, rest[: len(updated)]):
+            state[i].assign(value)
+        for loss in rest[len(updated) :]:
+            self.add_loss(loss)
+        return outs
+
+    def compute_output_spec(self, inputs, training=None, mask=None):
+        spec = self.model.compute_output_spec(list(inputs))
+        return list(spec) if isinstance(spec, (list, tuple)) else [spec]
+
+    def compute_mask(self, inputs, mask=None):
+        return None  # `call` attaches the output masks itself.
+
+    def get_config(self):
+        config = super().get_config()
+        config["model"] = keras.saving.serialize_keras_object(self.model)
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["model"] = keras.saving.deserialize_keras_object(config["model"])
+        return cls(**config)
