@@ -5,7 +5,8 @@ backward pass keeps only the segment's inputs and recomputes its interior.
 Recompute that differs from the forward pass gives wrong gradients, so:
 
 - **Random layers and BatchNormalization.** Every non-trainable variable of
-  the sub-model (seed-generator states, moving statistics, frozen weights) is
+  the sub-model (seed-generator states, moving statistics, frozen weights),
+  and the state of Keras's global seed generator when one exists, is
   frozen to a snapshot taken *before* the forward pass, through a
   `keras.StatelessScope`. The forward pass and its recompute read the same
   snapshot, so they draw the same random numbers. The state the forward pass
@@ -51,6 +52,15 @@ def _snapshot(variable):
 
 def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
+
+
+def _global_seed_state():
+    """The state of Keras's global seed generator, if one exists: layers that
+    call `keras.random.*` with `seed=None` draw from it."""
+    from keras.src.backend.common import global_state
+
+    generator = global_state.get_global_attribute("global_seed_generator")
+    return [generator.state] if generator is not None else []
 
 
 def _outer_values(variables):
@@ -103,6 +113,7 @@ class Segment(keras.layers.Layer):
     def _remat_call(self, inputs, masks):
         model = self.model
         state = [v for v in model.variables if not v.trainable]
+        state += [v for v in _global_seed_state() if all(v is not s for s in state)]
         trainable = [v for v in model.variables if v.trainable]
         snapshot = [_snapshot(v) for v in state]
         # Under an enclosing StatelessScope, trainable values live there.

@@ -6,13 +6,22 @@ import numpy as np
 from keras import tree
 
 
+def _all_state(model):
+    """`model.variables` plus Keras's global seed generator state, if any."""
+    from keras.src.backend.common import global_state
+
+    generator = global_state.get_global_attribute("global_seed_generator")
+    return list(model.variables) + ([generator.state] if generator is not None else [])
+
+
 def state_of(model):
-    """Every variable of `model` (weights, statistics, seed states) as numpy."""
-    return [np.array(keras.ops.convert_to_numpy(v.value)) for v in model.variables]
+    """Every variable of `model` (weights, statistics, seed states, and the
+    global seed generator's state) as numpy."""
+    return [np.array(keras.ops.convert_to_numpy(v.value)) for v in _all_state(model)]
 
 
 def restore(model, values):
-    for v, x in zip(model.variables, values):
+    for v, x in zip(_all_state(model), values):
         v.assign(x)
 
 
@@ -62,7 +71,7 @@ def compare_step(original, checkpointed, inputs, graph=False, atol=1e-5, rtol=1e
         assert a is not None and b is not None, f"no gradient for {v.path}"
         np.testing.assert_allclose(a, b, atol=atol, rtol=rtol, err_msg=f"gradient of {v.path}")
         worst = max(worst, float(np.max(np.abs(a - b))) if a.size else 0.0)
-    for v, a, b in zip(original.variables, after1, after0):
+    for v, a, b in zip(_all_state(original), after1, after0):
         np.testing.assert_allclose(a, b, atol=atol, rtol=rtol, err_msg=f"state of {v.path}")
     return worst
 

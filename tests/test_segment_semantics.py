@@ -222,3 +222,38 @@ def test_weights_are_shared_by_identity():
     before = ck.predict(x, verbose=0)["main"]
     shared.kernel.assign(shared.kernel * 2.0)
     assert not np.allclose(before, ck.predict(x, verbose=0)["main"])
+
+
+class _UnseededNoise(layers.Layer):
+    """Draws from Keras's global seed generator (`seed=None`)."""
+
+    def call(self, x, training=None):
+        if training:
+            return x * keras.random.uniform(keras.ops.shape(x), 0.5, 1.5)
+        return x
+
+
+def _unseeded_model():
+    keras.random.uniform((1,))  # the global generator exists before the rewrite
+    inp = keras.Input((8,))
+    x = inp
+    for _ in range(6):
+        x = _UnseededNoise()(layers.Dense(8, activation="tanh")(x))
+    return keras.Model(inp, layers.Dense(1)(x))
+
+
+@MODES
+def test_unseeded_random_ops_are_exact(graph):
+    model = _unseeded_model()
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    compare_step(model, ck, np.ones((4, 8), "float32"), graph=graph)
+
+
+def test_unseeded_random_ops_need_the_global_state(monkeypatch):
+    """Guard: without the global generator in the snapshot the recompute
+    draws again and the gradients differ."""
+    monkeypatch.setattr("graphckpt.segment._global_seed_state", lambda: [])
+    model = _unseeded_model()
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    with pytest.raises(AssertionError):
+        compare_step(model, ck, np.ones((4, 8), "float32"))
