@@ -94,7 +94,10 @@ class Measurement:
         resident_bytes: bytes in use before the measured steps.
         step_time_s: median wall time of one training step.
         step_times_s: each measured step's wall time.
+        step_cpu_s: median CPU time (all threads of the process) of one
+            step; less sensitive than wall time to other load on the machine.
         first_step_s: the first warm-up step (tracing and compiling).
+        model_name: the trained model's name.
         num_layers: `len(model.layers)` of the trained model.
         num_segments: how many graphckpt `Segment` layers it has.
         num_params: its parameter count.
@@ -119,6 +122,8 @@ class Measurement:
     step_time_s: float | None = None
     step_times_s: tuple = ()
     first_step_s: float | None = None
+    step_cpu_s: float | None = None
+    model_name: str | None = None
     num_layers: int | None = None
     num_segments: int | None = None
     num_params: int | None = None
@@ -635,13 +640,14 @@ def _child_run(spec, info, phase):
         first = time.perf_counter() - t0
         for _ in range(spec["warmup"] - 1):
             model.train_on_batch(x, y)
-        peaks, times = [], []
+        peaks, times, cpu = [], [], []
         for _ in range(spec["steps"]):
             tf.config.experimental.reset_memory_stats(device)
             resident = tf.config.experimental.get_memory_info(device)["current"]
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             logs = model.train_on_batch(x, y, return_dict=True)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             peak = tf.config.experimental.get_memory_info(device)["peak"]
             peaks.append(int(peak - resident))
         if not all(np.isfinite(v) for v in logs.values()):
@@ -673,6 +679,8 @@ def _child_run(spec, info, phase):
         step_time_s=statistics.median(times),
         step_times_s=tuple(times),
         first_step_s=first,
+        step_cpu_s=statistics.median(cpu),
+        model_name=model.name,
         num_layers=len(model.layers),
         num_segments=sum(isinstance(layer, Segment) for layer in model.layers),
         num_params=int(model.count_params()),

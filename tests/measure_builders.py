@@ -1,0 +1,42 @@
+"""Model recipes and transforms that `graphckpt.measure` loads in its child
+process, for tests/test_measure.py."""
+
+import os
+
+import keras
+from keras import layers
+
+BUILDS = 0  # builds in this process; a fresh process starts again at 0
+
+
+def chain(depth=16, width=128):
+    """A Dense chain whose name records how many builds this process ran."""
+    global BUILDS
+    BUILDS += 1
+    inp = keras.Input((width,))
+    x = inp
+    for _ in range(depth):
+        x = layers.Dense(width, activation="tanh")(x)
+    return keras.Model(inp, layers.Dense(2)(x), name=f"chain_build{BUILDS}_pid{os.getpid()}")
+
+
+def broken(message="boom"):
+    raise ValueError(message)
+
+
+def crashes():
+    os._exit(3)  # the child dies without writing a result
+
+
+def not_a_model(build):
+    return "not a model"
+
+
+def halves(build, keep=1):
+    """A method: the first `keep` Dense layers of the built chain only."""
+    model = build()
+    x = model.inputs[0]
+    y = x
+    for layer in model.layers[1 : 1 + keep]:
+        y = layer(y)
+    return keras.Model(x, y, name="halved")

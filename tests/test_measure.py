@@ -1,0 +1,91 @@
+"""graphckpt.measure: each measurement runs in a fresh process, reads real
+allocator figures, sees graphckpt lower the peak, and reports failures."""
+
+import json
+import os
+
+import pytest
+
+from graphckpt.measure import Measurement, MeasurementError, compare, measure
+from tests import measure_builders as mb
+
+CHAIN = {"depth": 16, "width": 128}
+BATCH = 512
+ACTIVATION_BYTES = BATCH * CHAIN["width"] * 4  # one float32 layer output
+FAST = {"steps": 2, "warmup": 1, "timeout": 180}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Baseline and graphckpt default plan on a 16-layer chain, one run each."""
+    return compare(mb.chain, batch_size=BATCH, builder_kwargs=CHAIN, repeats=1, **FAST)
+
+
+def test_measurements_are_sane(pair):
+    for m in pair.baseline + pair.candidate:
+        assert m.ok, m.error
+        assert m.device == "CPU:0" and "get_memory_info" in m.memory_method
+        assert m.batch_size == BATCH and len(m.step_times_s) == len(m.step_peak_bytes) == 2
+        assert m.peak_bytes == max(m.step_peak_bytes) > 0
+        assert m.resident_bytes > 0 and m.step_time_s > 0 and m.first_step_s > 0
+        assert Measurement.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    # Backprop through 16 tanh layers keeps at least their 16 outputs.
+    assert pair.baseline[0].peak_bytes >= 0.9 * CHAIN["depth"] * ACTIVATION_BYTES
+
+
+def test_graphckpt_lowers_the_measured_peak(pair):
+    base, ck = pair.baseline[0], pair.candidate[0]
+    assert base.num_segments == 0 and ck.num_segments == 4  # sqrt(17 layer calls)
+    assert ck.peak_bytes < 0.75 * base.peak_bytes
+    assert pair.peak_ratio == ck.peak_bytes / base.peak_bytes
+
+
+def test_each_measurement_runs_in_a_fresh_process(pair):
+    pids = {m.info["pid"] for m in pair.baseline + pair.candidate}
+    assert len(pids) == 2 and os.getpid() not in pids
+    for m in pair.baseline + pair.candidate:
+        # The builder's module-level counter starts over in every child.
+        assert m.model_name.startswith(f"chain_build1_pid{m.info['pid']}")
+        assert m.info["tensorflow"] and m.info["keras"]
+
+
+def test_builder_failure_is_reported():
+    with pytest.raises(MeasurementError, match=r"phase 'build'.*ValueError: kaput") as e:
+        measure(mb.broken, batch_size=2, builder_kwargs={"message": "kaput"}, **FAST)
+    m = e.value.measurement
+    assert not m.ok and m.phase == "build" and m.peak_bytes is None
+
+
+def test_a_crashed_child_is_reported():
+    m = measure(mb.crashes, batch_size=2, check=False, **FAST)
+    assert not m.ok and m.phase == "subprocess" and "exit status 3" in m.error
+
+
+def test_a_method_that_returns_no_model_is_reported():
+    m = measure(mb.chain, batch_size=2, method=mb.not_a_model, check=False, **FAST)
+    assert not m.ok and m.phase == "transform" and "not a keras.Model" in m.error
+
+
+def test_method_recipes_get_their_kwargs(tmp_path):
+    m = measure(
+        "tests/measure_builders.py:chain", batch_size=8, method="tests.measure_builders:halves",
+        method_kwargs={"keep": 3}, builder_kwargs={"depth": 5, "width": 8}, **FAST,
+    )
+    assert m.ok and m.num_layers == 4 and m.model_name == "halved"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"builder": lambda: None}, "module-level function"),
+        ({"builder": "no_colon"}, "module:function"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"device": "tpu"}, "device"),
+        ({"checkpoint_kwargs": {"segments": 2}}, "method='graphckpt' only"),
+        ({"builder_kwargs": {"x": object()}}, "JSON serializable"),
+    ],
+)
+def test_bad_arguments_fail_before_any_process(kwargs, match):
+    args = {"builder": mb.chain, "batch_size": 4, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=match):
+        measure(args.pop("builder"), **args)
