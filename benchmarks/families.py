@@ -2,7 +2,8 @@
 
 Every builder returns a fresh, built functional `keras.Model` and takes only
 JSON-friendly keyword arguments, so `graphckpt.measure` can rebuild it in a
-child process from `"benchmarks/families.py:<name>"`.
+child process from `"benchmarks/families.py:<name>"`. Default sizes train a
+step in seconds on 2 CPU cores; the benchmark passes its own sizes.
 """
 
 import keras
@@ -10,7 +11,8 @@ from keras import layers
 
 
 def dense_chain(depth=64, width=1024, dropout_every=0, rate=0.1, activation="tanh"):
-    """`depth` x Dense(width, tanh), a Dropout after every `dropout_every`-th."""
+    """`depth` x Dense(width, tanh), with a Dropout after every
+    `dropout_every`-th Dense (none when 0), then Dense(10)."""
     inp = keras.Input((width,), name="x")
     x = inp
     for i in range(depth):
@@ -18,3 +20,79 @@ def dense_chain(depth=64, width=1024, dropout_every=0, rate=0.1, activation="tan
         if dropout_every and (i + 1) % dropout_every == 0:
             x = layers.Dropout(rate)(x)
     return keras.Model(inp, layers.Dense(10)(x), name=f"dense_chain_{depth}")
+
+
+def resnet_cnn(size=64, channels=32, blocks_per_stage=3, stages=3, classes=10):
+    """A ResNet-style CNN: conv stem, then `stages` stages of residual blocks
+    (Conv-BN-ReLU-Conv-BN + shortcut, ReLU); each later stage halves the
+    resolution and doubles the channels (1x1 strided projection shortcut)."""
+    inp = keras.Input((size, size, 3), name="image")
+    x = layers.Conv2D(channels, 3, padding="same", use_bias=False)(inp)
+    x = layers.ReLU()(layers.BatchNormalization()(x))
+    for s in range(stages):
+        c = channels * 2**s
+        for b in range(blocks_per_stage):
+            stride = 2 if (s > 0 and b == 0) else 1
+            y = layers.Conv2D(c, 3, strides=stride, padding="same", use_bias=False)(x)
+            y = layers.ReLU()(layers.BatchNormalization()(y))
+            y = layers.Conv2D(c, 3, padding="same", use_bias=False)(y)
+            y = layers.BatchNormalization()(y)
+            shortcut = x
+            if stride != 1:
+                shortcut = layers.BatchNormalization()(layers.Conv2D(c, 1, strides=stride, use_bias=False)(x))
+            x = layers.ReLU()(layers.Add()([shortcut, y]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inp, layers.Dense(classes)(x), name="resnet_cnn")
+
+
+def transformer(seq_len=128, dim=256, heads=4, ffn=1024, depth=6, rate=0.1, classes=10):
+    """A pre-norm Transformer encoder stack on float features: per block,
+    LayerNorm -> MultiHeadAttention (with attention dropout) -> Dropout ->
+    residual add, LayerNorm -> Dense(ffn, gelu) -> Dense(dim) -> Dropout ->
+    residual add; then LayerNorm, mean over tokens, Dense(classes)."""
+    inp = keras.Input((seq_len, dim), name="tokens")
+    x = layers.Dense(dim)(inp)
+    for _ in range(depth):
+        h = layers.LayerNormalization()(x)
+        h = layers.MultiHeadAttention(heads, dim // heads, dropout=rate)(h, h)
+        x = layers.Add()([x, layers.Dropout(rate)(h)])
+        h = layers.LayerNormalization()(x)
+        h = layers.Dense(ffn, activation="gelu")(h)
+        h = layers.Dense(dim)(h)
+        x = layers.Add()([x, layers.Dropout(rate)(h)])
+    x = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(x))
+    return keras.Model(inp, layers.Dense(classes)(x), name="transformer")
+
+
+def unet(size=128, channels=16, levels=4, out_channels=1):
+    """A U-Net: per level two 3x3 Conv(ReLU) then MaxPool; a bottleneck; per
+    level back up UpSampling2D, a long skip Concatenate with the encoder
+    output at that resolution, and two 3x3 Conv(ReLU); a 1x1 Conv head."""
+    inp = keras.Input((size, size, 3), name="image")
+    x, skips = inp, []
+    for i in range(levels):
+        c = channels * 2**i
+        x = layers.Conv2D(c, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(c, 3, padding="same", activation="relu")(x)
+        skips.append(x)
+        x = layers.MaxPooling2D()(x)
+    c = channels * 2**levels
+    x = layers.Conv2D(c, 3, padding="same", activation="relu")(x)
+    x = layers.Conv2D(c, 3, padding="same", activation="relu")(x)
+    for i in reversed(range(levels)):
+        c = channels * 2**i
+        x = layers.UpSampling2D()(x)
+        x = layers.Concatenate()([x, skips[i]])
+        x = layers.Conv2D(c, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(c, 3, padding="same", activation="relu")(x)
+    return keras.Model(inp, layers.Conv2D(out_channels, 1)(x), name="unet")
+
+
+def resnet50v2(size=128, classes=10):
+    """`keras.applications.ResNet50V2`, `weights=None`, at `size` x `size`."""
+    return keras.applications.ResNet50V2(weights=None, input_shape=(size, size, 3), classes=classes)
+
+
+def densenet121(size=128, classes=10):
+    """`keras.applications.DenseNet121`, `weights=None`, at `size` x `size`."""
+    return keras.applications.DenseNet121(weights=None, input_shape=(size, size, 3), classes=classes)
