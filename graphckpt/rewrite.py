@@ -12,6 +12,7 @@ are removed again.
 import keras
 from keras import tree
 
+from graphckpt.checkpointed import CheckpointedModel
 from graphckpt.graph import functional_of, tensor_key
 from graphckpt.segment import Segment
 
@@ -67,9 +68,10 @@ def rewrite(model, graph, plan):
         plan: a `graphckpt.plan.Plan` over `graph`.
 
     Returns:
-        A new `keras.Model` with the same inputs and output structure, whose
-        layers are `Segment`s (plus one `Identity` per output, which keeps the
-        original output names).
+        A new `CheckpointedModel` (a functional `keras.Model`) with the same
+        inputs and output structure, whose layers are `Segment`s (plus one
+        `Identity` per output, which keeps the original output names). It
+        remembers `model` and `plan`, which is what it saves.
     """
     fn = functional_of(model)
     lengths = _nodes_lengths(graph)
@@ -89,7 +91,13 @@ def rewrite(model, graph, plan):
                 out = keras.layers.Identity(name=out_name)(out)
             outputs.append(out)
         outputs = tree.pack_sequence_as(fn._outputs_struct, outputs)
-        return keras.Model(inputs=fn._inputs_struct, outputs=outputs, name=f"{model.name}_checkpointed")
+        return CheckpointedModel(
+            inputs=fn._inputs_struct,
+            outputs=outputs,
+            source=model,
+            plan=plan,
+            name=f"{model.name}_checkpointed",
+        )
     except Exception:
         _restore_nodes(lengths)
         raise
