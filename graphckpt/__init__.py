@@ -1,6 +1,7 @@
 """graphckpt: gradient checkpointing for Keras 3 functional models."""
 
 from graphckpt.api import checkpoint_model, is_checkpointed, plan
+from graphckpt.checkpointed import CheckpointedModel, uncheckpoint
 from graphckpt.errors import (
     GraphckptError,
     InfeasibleBudgetError,
@@ -8,6 +9,7 @@ from graphckpt.errors import (
     NotAModelError,
     UnsupportedModelError,
 )
+from graphckpt.fit import install, uninstall
 from graphckpt.plan import Plan
 from graphckpt.segment import Segment
 
@@ -17,6 +19,10 @@ __all__ = [
     "checkpoint_model",
     "plan",
     "is_checkpointed",
+    "uncheckpoint",
+    "install",
+    "uninstall",
+    "CheckpointedModel",
     "Plan",
     "Segment",
     "GraphckptError",

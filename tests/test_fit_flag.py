@@ -1,0 +1,287 @@
+"""`graphckpt.install()`: `model.fit(..., gradient_checkpointing=...)` trains
+the user's own model exactly as plain `fit` would, with checkpointing."""
+
+import gc
+import weakref
+
+import keras
+import numpy as np
+import pytest
+from keras import layers
+
+import graphckpt
+from graphckpt.fit import _CACHE_ATTR
+from tests import models
+from tests.helpers import state_of
+
+
+@pytest.fixture
+def installed():
+    graphckpt.install()
+    yield
+    graphckpt.uninstall()
+
+
+def regularized(seed=7):
+    """Dropout, activity and weight regularizers, an `add_loss` layer: every
+    kind of layer loss a segment must hand back to the model."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8,), name="x")
+    x = inp
+    for i in range(8):
+        x = layers.Dense(8, activation="tanh", kernel_regularizer="l2", activity_regularizer="l1")(x)
+        if i % 3 == 2:
+            x = layers.Dropout(0.3)(x)
+    return keras.Model(inp, layers.Dense(1)(x), name="regularized")
+
+
+def classifier(seed=7):
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8,))
+    x = inp
+    for _ in range(6):
+        x = layers.Dense(8, activation="relu")(x)
+    return keras.Model(inp, layers.Dense(3, activation="softmax")(x), name="classifier")
+
+
+X = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+Y = np.random.default_rng(1).normal(size=(32, 1)).astype("float32")
+LABELS = np.random.default_rng(2).integers(0, 3, size=(32,))
+
+
+def segments_of(model):
+    cache = model.__dict__.get(_CACHE_ATTR)
+    return [] if cache is None else [s for twin in cache.twins.values() for s in twin.segments]
+
+
+def fit_twice(build, fit_kwargs, compile_kwargs=None, flag=True):
+    """Plain fit on one fresh model, flagged fit on another; same seeds."""
+    compile_kwargs = compile_kwargs or {"optimizer": "adam", "loss": "mse", "metrics": ["mae"]}
+    out = []
+    for kwargs in ({}, {"gradient_checkpointing": flag}):
+        model = build()
+        model.compile(**compile_kwargs)
+        keras.utils.set_random_seed(11)  # same dropout masks in both runs
+        history = model.fit(**fit_kwargs, **kwargs)
+        out.append((model, history))
+    return out
+
+
+def test_loss_history_and_weights_equal_plain_fit(installed):
+    """Dropout, activity regularizers and validation: the same numbers as
+    plain fit. Were the segments' layer losses dropped, `loss` would differ."""
+    fit = dict(x=X, y=Y, batch_size=8, epochs=3, shuffle=False, verbose=0, validation_data=(X[:8], Y[:8]))
+    (plain, h0), (model, h1) = fit_twice(regularized, fit)
+    assert set(h1.history) == {"loss", "mae", "val_loss", "val_mae"}
+    for key in h0.history:
+        np.testing.assert_allclose(h1.history[key], h0.history[key], rtol=1e-5, err_msg=key)
+    assert h1.epoch == h0.epoch == [0, 1, 2]
+    # The user's own variables were trained, with its own optimizer.
+    for a, b in zip(state_of(model), state_of(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 12
+    assert [s.name for s in segments_of(model)] == ["segment_0", "segment_1", "segment_2"]
+    # After fit, the model is the plain model again.
+    assert "call" not in model.__dict__
+    np.testing.assert_allclose(model.predict(X, verbose=0), plain.predict(X, verbose=0), rtol=1e-4, atol=1e-6)
+
+
+def test_segment_layer_losses_reach_model_losses():
+    """The mechanism behind the test above: while training is routed through
+    the segments, `model.losses` still holds every activity-regularizer term,
+    with the values plain training gives."""
+    from graphckpt.fit import _training_call, _twin_for
+    from tests.helpers import restore
+
+    model = regularized()
+    start = state_of(model)
+    model(X, training=True)
+    expected = sorted(float(v) for v in model.losses)
+    restore(model, start)
+    twin = _twin_for(model, {})
+    object.__setattr__(model, "call", _training_call(model, twin))
+    try:
+        model(X, training=True)
+        ours = sorted(float(v) for v in model.losses)
+    finally:
+        del model.__dict__["call"]
+    assert len(ours) == 8 + 8  # activity l1 (from the segments) + kernel l2
+    np.testing.assert_allclose(ours, expected, rtol=1e-6)
+
+
+def test_class_weight_callbacks_and_checkpoint_file(installed, tmp_path):
+    path = tmp_path / "best.keras"
+
+    def fit_kwargs():
+        return dict(
+            x=X,
+            y=LABELS,
+            batch_size=8,
+            epochs=4,
+            shuffle=False,
+            verbose=0,
+            validation_split=0.25,
+            class_weight={0: 1.0, 1: 3.0, 2: 0.5},
+            callbacks=[
+                keras.callbacks.ModelCheckpoint(str(path), monitor="loss"),
+                # Stops after the second epoch, in both runs alike.
+                keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1),
+            ],
+        )
+
+    compile_kwargs = {"optimizer": "adam", "loss": "sparse_categorical_crossentropy", "metrics": ["accuracy"]}
+    (plain, h0), (model, h1) = fit_twice(classifier, fit_kwargs(), compile_kwargs)
+    for key in h0.history:
+        np.testing.assert_allclose(h1.history[key], h0.history[key], rtol=1e-5, err_msg=key)
+    assert h1.epoch == h0.epoch == [0, 1]
+    # The file ModelCheckpoint wrote is the user's plain model, and loads.
+    loaded = keras.saving.load_model(path)
+    assert not graphckpt.is_checkpointed(loaded)
+    np.testing.assert_allclose(loaded.predict(X, verbose=0), model.predict(X, verbose=0), rtol=1e-5)
+
+
+def test_tensorboard_callback(installed, tmp_path):
+    pytest.importorskip("tensorboard", reason="the TensorBoard callback needs the tensorboard package")
+    model = regularized()
+    model.compile(optimizer="adam", loss="mse")
+    tb = keras.callbacks.TensorBoard(str(tmp_path), histogram_freq=1)
+    model.fit(X, Y, epochs=2, verbose=0, validation_data=(X, Y), callbacks=[tb], gradient_checkpointing=True)
+    assert any(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_eager_flagged_fit_recomputes_each_step(installed):
+    fit = dict(x=X, y=Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    compile_kwargs = {"optimizer": "adam", "loss": "mse", "run_eagerly": True}
+    (_, h0), (model, h1) = fit_twice(regularized, fit, compile_kwargs, flag=3)
+    np.testing.assert_allclose(h1.history["loss"], h0.history["loss"], rtol=1e-5)
+    # 4 steps, each one forward and one recompute per segment.
+    assert [s.forward_calls for s in segments_of(model)] == [8, 8, 8]
+
+
+def test_sequential_and_multi_output_models(installed):
+    def sequential():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((8,))] + [layers.Dense(8, activation="tanh") for _ in range(5)] + [layers.Dense(1)])
+
+    fit = dict(x=X, y=Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    (_, h0), (model, h1) = fit_twice(sequential, fit)
+    np.testing.assert_allclose(h1.history["loss"], h0.history["loss"], rtol=1e-5)
+    assert len(segments_of(model)) == 2  # round(sqrt(6))
+
+    inputs = {"a": X[:, :6], "b": X[:, 2:]}
+    targets = {"main": Y, "side": np.repeat(Y, 3, axis=1)}
+    fit = dict(x=inputs, y=targets, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    compile_kwargs = {"optimizer": "adam", "loss": {"main": "mse", "side": "mae"}}
+    (_, h0), (model, h1) = fit_twice(models.multi_io, fit, compile_kwargs)
+    assert set(h1.history) == set(h0.history)
+    for key in h0.history:
+        np.testing.assert_allclose(h1.history[key], h0.history[key], rtol=1e-5, err_msg=key)
+
+
+def test_rewrite_once_no_retrace_and_plain_fit_stays_plain(installed):
+    model = regularized()
+    model.compile(optimizer="adam", loss="mse")
+    fit = dict(x=X, y=Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model.fit(**fit, gradient_checkpointing=True)
+    cache = model.__dict__[_CACHE_ATTR]
+    (twin,) = cache.twins.values()
+    segments = twin.segments
+    # `forward_calls` counts Python runs: in graph mode, only while tracing.
+    traced = [s.forward_calls for s in segments]
+    assert min(traced) > 0
+
+    model.fit(**fit)  # plain fit in between: its own train function, no segments
+    assert [s.forward_calls for s in segments] == traced
+    assert model.train_function is not twin.train_function
+
+    model.fit(**fit, gradient_checkpointing="sqrt")  # the same plan
+    assert list(cache.twins.values()) == [twin]
+    assert [s.forward_calls for s in segments] == traced  # no rewrite, no retrace
+
+    model.compile(optimizer="adam", loss="mse")  # a new optimizer: must retrace
+    model.fit(**fit, gradient_checkpointing=True)
+    assert list(cache.twins.values()) == [twin]
+    assert all(a > b for a, b in zip([s.forward_calls for s in segments], traced))
+
+    model.fit(**fit, gradient_checkpointing=2)  # another plan, another twin
+    assert len(cache.twins) == 2
+
+
+def test_without_the_flag_fit_is_untouched(installed):
+    model = regularized()
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(X, Y, epochs=1, verbose=0)
+    model.fit(X, Y, epochs=1, verbose=0, gradient_checkpointing=False)
+    model.fit(X, Y, epochs=1, verbose=0, gradient_checkpointing=None)
+    assert _CACHE_ATTR not in model.__dict__
+
+
+def test_the_cache_dies_with_the_model(installed):
+    model = regularized()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, epochs=1, verbose=0, gradient_checkpointing=True)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_override_does_not_leak_when_fit_raises(installed):
+    model = regularized()
+    with pytest.raises(ValueError, match="compile"):
+        model.fit(X, Y, epochs=1, verbose=0, gradient_checkpointing=True)  # not compiled
+    assert "call" not in model.__dict__
+    model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError):
+        model.fit(X[:, :5], Y, epochs=1, verbose=0, gradient_checkpointing=True)  # bad shape
+    assert "call" not in model.__dict__
+    assert model.train_function is None
+    model.fit(X, Y, epochs=1, verbose=0)  # and plain fit still works
+
+
+@pytest.mark.parametrize("bad", ["fast", 0, -2, 2.5, [2]])
+def test_bad_flag_values(installed, bad):
+    model = regularized()
+    model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(graphckpt.InvalidArgumentError, match="gradient_checkpointing"):
+        model.fit(X, Y, epochs=1, verbose=0, gradient_checkpointing=bad)
+    assert _CACHE_ATTR not in model.__dict__
+
+
+def test_subclassed_model_gets_the_checkpoint_model_error(installed):
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = layers.Dense(1)
+
+        def call(self, x):
+            return self.d(x)
+
+    model = Sub()
+    model.compile(optimizer="adam", loss="mse")
+    model(X)
+    with pytest.raises(graphckpt.UnsupportedModelError) as ours:
+        model.fit(X, Y, epochs=1, verbose=0, gradient_checkpointing=True)
+    with pytest.raises(graphckpt.UnsupportedModelError) as theirs:
+        graphckpt.checkpoint_model(model)
+    assert str(ours.value) == str(theirs.value)
+    assert "subclassed" in str(ours.value)
+    assert "call" not in model.__dict__
+
+
+def test_uninstall_restores_the_exact_original_fit():
+    original = keras.Model.fit
+    assert "fit" not in vars(keras.Model)  # inherited from the backend trainer
+    graphckpt.install()
+    graphckpt.install()  # idempotent
+    assert keras.Model.fit is not original
+    assert keras.Model.fit.__wrapped__ is original
+    assert "gradient_checkpointing" in str(keras.Model.fit.__signature__)
+    graphckpt.uninstall()
+    graphckpt.uninstall()  # idempotent
+    assert keras.Model.fit is original
+    assert "fit" not in vars(keras.Model)
+    model = regularized()
+    model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(TypeError, match="gradient_checkpointing"):
+        model.fit(X, Y, epochs=1, verbose=0, gradient_checkpointing=True)
