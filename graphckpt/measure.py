@@ -50,6 +50,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -566,8 +567,11 @@ def _child_main(spec_path, out_path):
         json.dump(result.to_dict(), f)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _describe(e):
-    msg = " ".join(str(e).split())
+    msg = " ".join(_ANSI.sub("", str(e)).split())
     if len(msg) > 600:
         msg = msg[:600] + " ..."
     where = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ else []
