@@ -1,0 +1,320 @@
+"""The correctness suite, backend-agnostic: it runs under whichever backend
+KERAS_BACKEND selects (CI runs it under tensorflow, jax and torch, in
+separate processes).
+
+Gradients are computed the way each backend does (tests/backend_helpers.py):
+a GradientTape on TensorFlow, `jax.value_and_grad` over `stateless_call` on
+JAX, `torch.autograd` on PyTorch.
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import layers, ops
+
+import graphckpt
+from graphckpt.segment import Segment
+from tests import models
+from tests.backend_helpers import BACKEND, compare_step, jax_loss_fn, to_numpy
+from tests.helpers import state_of
+
+pytestmark = pytest.mark.backends
+
+# Compiled steps: tf.function on TensorFlow, jax.jit on JAX; PyTorch runs eagerly.
+# JAX's un-jitted grad dispatches op by op and is slow on the CPU; the JAX
+# trainer always jits, so that is the mode tested there.
+MODES = pytest.mark.parametrize(
+    "compiled",
+    {"tensorflow": [False, True], "jax": [True], "torch": [False]}[BACKEND],
+    ids=lambda c: "compiled" if c else "eager",
+)
+
+
+@MODES
+@pytest.mark.parametrize("name", sorted(models.ALL))
+def test_same_outputs_gradients_and_state(name, compiled):
+    model = models.ALL[name]()
+    ck = graphckpt.checkpoint_model(model)
+    x = models.sample_inputs(model)
+    for a, b in zip(keras.tree.flatten(model(x)), keras.tree.flatten(ck(x))):
+        np.testing.assert_allclose(to_numpy(b), to_numpy(a), atol=1e-5)
+    compare_step(model, ck, x, compiled=compiled)
+
+
+def _random_chain(noise_layer):
+    inp = keras.Input((6, 6, 4))
+    x = inp
+    for _ in range(4):
+        x = layers.Conv2D(4, 3, padding="same", activation="tanh")(x)
+        x = noise_layer()(x)
+    return keras.Model(inp, layers.Dense(2)(layers.Flatten()(x)))
+
+
+# Seeded and unseeded: on PyTorch an unseeded Dropout draws from torch's
+# global generator, a seeded one from Keras's seed state.
+RANDOM_LAYERS = {
+    "Dropout": lambda: layers.Dropout(0.5),
+    "Dropout-seeded": lambda: layers.Dropout(0.5, seed=3),
+    "GaussianNoise": lambda: layers.GaussianNoise(0.7),
+    "GaussianDropout": lambda: layers.GaussianDropout(0.5),
+    "SpatialDropout2D": lambda: layers.SpatialDropout2D(0.5),
+    "AlphaDropout": lambda: layers.AlphaDropout(0.5),
+}
+
+
+@MODES
+@pytest.mark.parametrize("kind", sorted(RANDOM_LAYERS))
+def test_random_layers_draw_the_same_masks_on_recompute(kind, compiled):
+    model = _random_chain(RANDOM_LAYERS[kind])
+    ck = graphckpt.checkpoint_model(model, segments=2)
+    x = np.random.default_rng(0).normal(size=(3, 6, 6, 4)).astype("float32")
+    compare_step(model, ck, x, compiled=compiled)
+
+
+def _naive(model, input_shape):
+    """The model called through plain `keras.remat`, with no snapshot."""
+    inp = keras.Input(input_shape)
+
+    class NaiveRemat(layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.inner = model  # tracked, so its variables are the model's
+
+        def call(self, x, training=None):
+            return keras.remat(lambda t: self.inner(t, training=training))(x)
+
+    return keras.Model(inp, NaiveRemat()(inp))
+
+
+def test_naive_remat_would_be_wrong():
+    """Guard for the tests above: without graphckpt's snapshot, plain remat
+    of a seeded random layer is wrong on every backend, so the exactness
+    tests can fail. On TensorFlow and PyTorch the recompute draws a new mask
+    and the gradients differ; on JAX the seed-state update made inside
+    `jax.checkpoint` leaks a tracer out of it."""
+    model = _random_chain(RANDOM_LAYERS["GaussianNoise"])
+    naive = _naive(model, (6, 6, 4))
+    x = np.random.default_rng(0).normal(size=(3, 6, 6, 4)).astype("float32")
+    if BACKEND == "jax":
+        import jax
+
+        leaked = (jax.errors.UnexpectedTracerError, jax.errors.TracerArrayConversionError)
+        with pytest.raises(leaked):
+            compare_step(model, naive, x)
+    else:
+        with pytest.raises(AssertionError, match="gradient"):
+            compare_step(model, naive, x)
+
+
+@MODES
+def test_batchnorm_statistics_updated_exactly_once(compiled):
+    model = models.resnet(blocks=2)
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    bn = [l for l in model.layers if isinstance(l, layers.BatchNormalization)][0]
+    x = np.random.default_rng(1).normal(size=(4, 8, 8, 3)).astype("float32")
+    before = to_numpy(bn.moving_mean)
+    compare_step(model, ck, x, compiled=compiled)  # includes the state after the step
+    assert not np.allclose(before, to_numpy(bn.moving_mean))
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the PyTorch-specific hazard (pytorch issue 96136)")
+def test_naive_torch_checkpoint_updates_batchnorm_twice():
+    """Guard: plain `torch.utils.checkpoint` (what `keras.remat` is on
+    PyTorch) runs BatchNormalization's update again in the recompute."""
+    model = models.resnet(blocks=1)
+    naive = _naive(model, (8, 8, 3))
+    x = np.random.default_rng(1).normal(size=(4, 8, 8, 3)).astype("float32")
+    with pytest.raises(AssertionError, match="state of .*moving"):
+        compare_step(model, naive, x)
+
+
+class _AddsLoss(layers.Layer):
+    def call(self, x):
+        self.add_loss(0.1 * ops.mean(ops.square(x)))
+        return x
+
+
+@MODES
+def test_layer_losses_are_kept(compiled):
+    inp = keras.Input((8,))
+    x = inp
+    for i in range(6):
+        x = layers.Dense(8, activation="tanh", kernel_regularizer="l2", activity_regularizer="l1")(x)
+        if i == 3:
+            x = _AddsLoss()(x)
+    model = keras.Model(inp, layers.Dense(1)(x))
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    x = np.random.default_rng(2).normal(size=(5, 8)).astype("float32")
+    compare_step(model, ck, x, compiled=compiled)
+
+
+@MODES
+def test_masks_cross_segment_boundaries(compiled):
+    model = models.masked_lstm()
+    ck = graphckpt.checkpoint_model(model, segments=4)
+    x = models.sample_inputs(model)
+    compare_step(model, ck, x, compiled=compiled)
+    unmasked = models.masked_lstm(mask_zero=False)
+    unmasked.set_weights(model.get_weights())
+    assert not np.allclose(to_numpy(model(x)), to_numpy(unmasked(x)), atol=1e-4)
+
+
+class _Gate(layers.Layer):
+    def call(self, inputs):
+        x, keep = inputs
+        return ops.where(keep, x, ops.zeros_like(x))
+
+
+@MODES
+def test_bool_and_int_inputs_cross_segments(compiled):
+    """Non-float tensors cross segment boundaries without being
+    differentiated: a bool gate and an int index, both used late."""
+    x_in = keras.Input((8,), name="x")
+    keep = keras.Input((8,), dtype="bool", name="keep")
+    ids = keras.Input((3,), dtype="int32", name="ids")
+    h = x_in
+    for _ in range(6):
+        h = layers.Dense(8, activation="tanh")(h)
+    h = _Gate()([h, keep])
+    e = layers.Flatten()(layers.Embedding(10, 4)(ids))
+    h = layers.Dense(8, activation="tanh")(layers.Concatenate()([h, e]))
+    model = keras.Model([x_in, keep, ids], layers.Dense(1)(h))
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    rng = np.random.default_rng(6)
+    x = [
+        rng.normal(size=(4, 8)).astype("float32"),
+        rng.random((4, 8)) > 0.5,
+        rng.integers(0, 10, size=(4, 3)).astype("int32"),
+    ]
+    compare_step(model, ck, x, compiled=compiled)
+
+
+@MODES
+def test_mixed_bfloat16(compiled):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = models.resnet(blocks=2)
+    ck = graphckpt.checkpoint_model(model)
+    x = np.random.default_rng(5).normal(size=(2, 8, 8, 3)).astype("float32")
+    assert ck.compute_dtype == model.compute_dtype == "bfloat16"
+    compare_step(model, ck, x, compiled=compiled, atol=2e-2, rtol=2e-2)
+
+
+def _segments(ck):
+    return [l for l in ck.layers if isinstance(l, Segment)]
+
+
+def _jax_primitives(jaxpr):
+    """Every equation of `jaxpr`, sub-jaxprs included."""
+    from jax._src import core
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in core.jaxprs_in_params(eqn.params):
+            yield from _jax_primitives(sub)
+
+
+def test_recompute_really_happens():
+    """Each segment's forward runs again in the backward pass.
+
+    TensorFlow and PyTorch (eager): the segment's Python function is called
+    once in the forward pass and once more during backward. JAX traces once,
+    so the proof is in the gradient's jaxpr: one differentiated `remat`
+    equation per segment, holding a recomputed forward (more matmuls than
+    the plain model's gradient)."""
+    model = models.chain(depth=12)
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    segments = _segments(ck)
+    x = np.ones((2, 16), "float32")
+    if BACKEND == "jax":
+        import jax
+
+        def grad_jaxpr(m):
+            loss = lambda t, n, x: jax_loss_fn(m)(t, n, x)[0]  # noqa: E731
+            values = ([v.value for v in m.trainable_variables], [v.value for v in m.non_trainable_variables])
+            return jax.make_jaxpr(jax.grad(loss))(*values, x).jaxpr
+
+        plain = list(_jax_primitives(grad_jaxpr(model)))
+        ours = list(_jax_primitives(grad_jaxpr(ck)))
+        remats = [e for e in ours if "remat" in e.primitive.name or "checkpoint" in e.primitive.name]
+        assert [e.params["differentiated"] for e in remats] == [True] * len(segments)
+        assert not any("remat" in e.primitive.name for e in plain)
+        dots = lambda eqns: sum(e.primitive.name == "dot_general" for e in eqns)  # noqa: E731
+        inside = sum(dots(_jax_primitives(e.params["jaxpr"])) for e in remats)
+        assert dots(ours) > dots(plain)
+        assert inside > 0
+        assert [s.forward_calls for s in segments] == [1] * len(segments)  # traced once
+        return
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            y = ck(x, training=True)
+        assert [s.forward_calls for s in segments] == [1, 1, 1]
+        tape.gradient(y, [v.value for v in ck.trainable_variables])
+    else:
+        import torch
+
+        y = ck(x, training=True)
+        assert [s.forward_calls for s in segments] == [1, 1, 1]
+        torch.autograd.grad(ops.sum(y), [v.value for v in ck.trainable_variables])
+    assert [s.forward_calls for s in segments] == [2, 2, 2]
+
+
+def test_inference_takes_no_remat_path():
+    model = models.chain(dropout=0.3)
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    x = np.ones((2, 16), "float32")
+    ck(x, training=False)
+    ck.predict(x, verbose=0)
+    assert [s.forward_calls for s in _segments(ck)] == [0, 0, 0]
+
+
+def _fit(model, x, y, **compile_kwargs):
+    model.compile(optimizer="adam", loss="mse", **compile_kwargs)
+    return model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0).history["loss"]
+
+
+def test_fit_gives_the_same_history_and_trains_the_original():
+    def fresh():
+        keras.utils.set_random_seed(7)
+        return models.resnet(blocks=2)
+
+    x = np.random.default_rng(3).normal(size=(16, 8, 8, 3)).astype("float32")
+    y = np.random.default_rng(4).normal(size=(16, 3)).astype("float32")
+    plain = fresh()
+    h0 = _fit(plain, x, y)
+    model = fresh()
+    ck = graphckpt.checkpoint_model(model)
+    h1 = _fit(ck, x, y)
+    np.testing.assert_allclose(h1, h0, rtol=1e-4)
+    assert h1[-1] < h1[0]
+    for a, b in zip(state_of(model), state_of(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_fit_with_random_layers_runs_and_trains_the_original():
+    model = models.chain(dropout=0.3, bn=True)
+    ck = graphckpt.checkpoint_model(model)
+    x = np.random.default_rng(3).normal(size=(32, 16)).astype("float32")
+    y = np.random.default_rng(4).normal(size=(32, 2)).astype("float32")
+    before = state_of(model)
+    history = _fit(ck, x, y)
+    assert np.all(np.isfinite(history))
+    for v, a in zip(model.variables, before):
+        if v.trainable or "moving" in v.path:
+            assert not np.array_equal(a, to_numpy(v)), f"{v.path} did not change"
+
+
+def test_weights_are_shared_by_identity():
+    model = models.multi_io()
+    ck = graphckpt.checkpoint_model(model)
+    ids = {id(v) for v in model.trainable_variables}
+    assert len(ck.trainable_variables) == len(ids)
+    assert all(id(v) in ids for v in ck.trainable_variables)
+    shared = model.get_layer("shared")
+    inside = [l for seg in _segments(ck) for l in seg.model.layers]
+    assert any(l is shared for l in inside)
+    x = models.sample_inputs(model)
+    before = to_numpy(ck(x)["main"])
+    shared.kernel.assign(shared.kernel * 2.0)
+    assert not np.allclose(before, to_numpy(ck(x)["main"]))
