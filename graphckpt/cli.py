@@ -1,0 +1,551 @@
+"""The `graphckpt` command line: inspect, measure, demo.
+
+    graphckpt inspect MODEL.keras [--segments sqrt|N] [--budget B]
+                                  [--batch-size N] [--format table|json|dot]
+    graphckpt measure MODEL.keras --batch-size N [--segments ...] [--budget ...]
+    graphckpt demo
+
+`main(argv) -> int` is the whole program; `python -m graphckpt` and the
+console script call it. Inspection builds plain data (`describe`), and the
+renderers only print it. Errors print one line and exit non-zero (2: a bad
+argument; 1: anything else); `--debug` prints the traceback too.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import re
+import sys
+import traceback
+import zipfile
+
+__all__ = ["main", "describe", "parse_budget", "demo_model", "load_model_file"]
+
+DEMO = {"depth": 36, "width": 256, "batch_size": 256}
+
+
+class CliError(Exception):
+    """An error the CLI reports as one line. `code` is the exit status."""
+
+    def __init__(self, message, code=1):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise CliError(f"{message} (see `{self.prog} --help`)", code=2)
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def parse_segments(text):
+    """`"sqrt"` or a positive int, from the command line."""
+    if text == "sqrt":
+        return text
+    if re.fullmatch(r"[0-9]+", text or "") and int(text) >= 1:
+        return int(text)
+    raise CliError(f"--segments must be 'sqrt' or a positive integer. Received: --segments {text!r}", code=2)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30})
+
+
+def parse_budget(text):
+    """`"2GiB"`, `"512 MB"`, `"1e9"` -> bytes (int). KiB/MiB/GiB and the
+    bare K/M/G are powers of 1024; kB/MB/GB are powers of 1000."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
+        raise CliError(
+            f"--budget must be a positive size such as 2GiB, 512MiB, 800MB or 1e9 (bytes). Received: --budget {text!r}",
+            code=2,
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _planner_kwargs(args):
+    import graphckpt
+
+    kwargs = {}
+    if args.segments is not None:
+        kwargs["segments"] = parse_segments(args.segments)
+    if args.budget is not None:
+        kwargs["budget"] = parse_budget(args.budget)
+        if "budget" not in _parameters(graphckpt.plan):
+            raise CliError("--budget needs graphckpt's budget planner, which this version lacks. Tip: use --segments.", 2)
+        if getattr(args, "batch_size", None) and "batch_size" in _parameters(graphckpt.plan):
+            kwargs["batch_size"] = args.batch_size
+    return kwargs
+
+
+def _parameters(fn):
+    import inspect
+
+    return inspect.signature(fn).parameters
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_model_file(path, imports=()):
+    """Loads a `.keras` file after importing `imports` (modules that register
+    custom classes). Also the recipe `measure` runs in its child process."""
+    import keras
+
+    import graphckpt  # noqa: F401
+
+    for name in imports:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise CliError(f"--import {name}: {e}") from None
+    return keras.saving.load_model(path)
+
+
+def _first_line(error):
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0].strip()
+
+
+def _load(path, imports, debug):
+    """The model in `path`, or a `CliError` saying why not."""
+    if not os.path.exists(path):
+        raise CliError(f"no such file: {path}")
+    if os.path.isdir(path):
+        raise CliError(f"{path} is a directory, not a .keras model file")
+    if path.endswith(".keras") and not zipfile.is_zipfile(path):
+        raise CliError(f"{path} is not a Keras model file: a .keras file is a zip archive, and this one is not")
+    import keras
+
+    try:
+        model = load_model_file(path, imports)
+    except CliError:
+        raise
+    except Exception as e:
+        if debug:
+            traceback.print_exc()
+        raise CliError(
+            f"could not load {path} as a Keras model ({type(e).__name__}: {_first_line(e)}). "
+            "Tip: save one with `model.save('model.keras')`; --import the modules that define custom classes."
+        ) from None
+    if not isinstance(model, keras.Model):
+        raise CliError(f"{path} holds a {type(model).__name__}, not a Keras model")
+    return model
+
+
+def _planned(model, planner_kwargs):
+    """`(plain model, graph, plan)`: a checkpointed file keeps its own plan
+    unless new planner arguments are given."""
+    import graphckpt
+    from graphckpt.graph import build_graph
+
+    if isinstance(model, graphckpt.CheckpointedModel):
+        plain = graphckpt.uncheckpoint(model)
+        if not planner_kwargs:
+            return plain, build_graph(plain), model.plan
+        model = plain
+    the_plan = graphckpt.plan(model, **planner_kwargs)
+    return model, build_graph(model), the_plan
+
+
+# ---------------------------------------------------------------- inspection data
+
+
+def _tensor_name(key, ordinals, graph):
+    layer_name, _, index = key
+    producer = graph.graph["tensors"][key].producer
+    name = layer_name
+    if ordinals.get(producer, (None, 0))[1]:
+        name += f"#{ordinals[producer][1]}"
+    n_out = sum(1 for info in graph.graph["tensors"].values() if info.producer == producer)
+    return f"{name}[{index}]" if n_out > 1 else name
+
+
+def _fallback_estimate(graph, plan, batch):
+    """Boundary bytes from the graph's tensor sizes (Chen et al.'s model):
+    a plan keeps its boundary tensors plus, during backward, one segment's
+    recomputed interior; the baseline keeps every activation."""
+    tensors = graph.graph["tensors"]
+    made = {}
+    for info in tensors.values():
+        made[info.producer] = made.get(info.producer, 0) + info.nbytes * batch
+    kept = [sum(tensors[t].nbytes * batch for t in seg.outputs) for seg in plan.segments]
+    interior = [sum(made.get(n, 0) for n in seg.nodes) for seg in plan.segments]
+    remat = [getattr(seg, "remat", True) for seg in plan.segments]
+    held = [k if r else i for k, i, r in zip(kept, interior, remat)]
+    largest = max((i for i, r in zip(interior, remat) if r), default=0)
+    baseline = sum(v for n, v in made.items() if graph.nodes[n]["kind"] != "input")
+    return {
+        "method": "tensor sizes from the graph; plan = boundary tensors + the largest recomputed segment",
+        "segment_kept_bytes": held,
+        "baseline_bytes": baseline,
+        "plan_bytes": sum(held) + largest,
+    }
+
+
+def _estimate(model, graph, plan, batch):
+    """Estimated kept bytes per segment and totals: `graphckpt.estimate`'s
+    memory model where this graphckpt has one, else `_fallback_estimate`."""
+    try:
+        from graphckpt import estimate
+        from graphckpt.plan import baseline_peak, estimated_peak, segment_peaks
+
+        costs = estimate.node_costs(model, batch_size=batch)
+        peaks = segment_peaks(graph, plan, costs)
+        return {
+            "method": "graphckpt.estimate memory model (peak training-step activation bytes)",
+            "segment_kept_bytes": [p.held_bytes for p in peaks],
+            "baseline_bytes": baseline_peak(graph, costs),
+            "plan_bytes": estimated_peak(graph, plan, costs),
+        }
+    except (ImportError, AttributeError, TypeError):
+        return _fallback_estimate(graph, plan, batch)
+
+
+def describe(model, graph, plan, batch_size=None):
+    """Plain data about a plan: what `inspect` prints, and its JSON.
+
+    Every layer of the model is named exactly once: in `layers` of the
+    first segment that calls it, or in `outside` (model inputs). `calls`
+    lists each segment's layer calls; a layer's k-th call (k > 0) is
+    written `name#k`.
+    """
+    from graphckpt.checkpointed import _call_ordinals
+
+    ordinals = _call_ordinals(graph)
+    tensors = graph.graph["tensors"]
+    batch = batch_size or 1
+    estimate = _estimate(model, graph, plan, batch)
+    seen, segments = set(), []
+    for seg, kept in zip(plan.segments, estimate["segment_kept_bytes"]):
+        calls = [n[0] + (f"#{ordinals[n][1]}" if ordinals[n][1] else "") for n in seg.nodes]
+        layers = [n[0] for n in seg.nodes if n[0] not in seen and not seen.add(n[0])]
+
+        def boundary(keys):
+            return [
+                {
+                    "tensor": _tensor_name(k, ordinals, graph),
+                    "shape": list(tensors[k].shape),
+                    "dtype": tensors[k].dtype,
+                    "bytes": tensors[k].nbytes * batch,
+                }
+                for k in keys
+            ]
+
+        segments.append(
+            {
+                "index": seg.index,
+                "recomputed": bool(getattr(seg, "remat", True)),
+                "first": calls[0],
+                "last": calls[-1],
+                "num_calls": len(calls),
+                "calls": calls,
+                "layers": layers,
+                "inputs": boundary(seg.inputs),
+                "boundary": boundary(seg.outputs),
+                "kept_bytes": kept,
+            }
+        )
+    outside = [n[0] for n, d in graph.nodes(data=True) if d["kind"] == "input" and n[0] not in seen]
+    return {
+        "model": model.name,
+        "num_layers": len(seen) + len(outside),
+        "num_layer_calls": plan.num_layer_calls,
+        "strategy": plan.strategy,
+        "batch_size": batch_size,
+        "bytes_are": f"for a batch of {batch_size}" if batch_size else "per example (batch size 1)",
+        "segments": segments,
+        "outside": outside,
+        "totals": {
+            "baseline_bytes": estimate["baseline_bytes"],
+            "plan_bytes": estimate["plan_bytes"],
+            "ratio": estimate["plan_bytes"] / estimate["baseline_bytes"] if estimate["baseline_bytes"] else None,
+            "estimate": estimate["method"],
+        },
+    }
+
+
+def to_dot(info, graph):
+    """A Graphviz description: one node per layer call, segments as clusters."""
+    from graphckpt.checkpointed import _call_ordinals
+
+    ordinals = _call_ordinals(graph)
+
+    def node_id(key):
+        return json.dumps(key[0] + (f"#{ordinals[key][1]}" if ordinals.get(key, (0, 0))[1] else ""))
+
+    lines = [f"digraph {json.dumps(info['model'])} {{", "  rankdir=TB;", "  node [shape=box, fontsize=10];"]
+    for name in info["outside"]:
+        lines.append(f"  {json.dumps(name)} [shape=ellipse];")
+    for seg in info["segments"]:
+        style = "rounded" if seg["recomputed"] else "dashed"
+        label = f"segment {seg['index']}" + ("" if seg["recomputed"] else " (not recomputed)")
+        lines.append(f"  subgraph cluster_{seg['index']} {{")
+        lines.append(f"    label={json.dumps(label)}; style={style};")
+        lines.extend(f"    {json.dumps(call)};" for call in seg["calls"])
+        lines.append("  }")
+    for u, v, data in graph.edges(data=True):
+        shapes = ", ".join(str(tuple(graph.graph["tensors"][t].shape)) for t in data["tensors"])
+        lines.append(f"  {node_id(u)} -> {node_id(v)} [label={json.dumps(shapes)}, fontsize=8];")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _console(stderr=False):
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal:  # piped or captured: no 80-column default
+        console = Console(stderr=stderr, highlight=False, width=120)
+    return console
+
+
+def _bytes(n):
+    from graphckpt.measure import format_bytes
+
+    return format_bytes(n)
+
+
+def _shape(shape):
+    return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
+
+
+def render_table(info, console):
+    from rich.table import Table
+
+    title = f"{info['model']}: {info['num_layer_calls']} layer calls in {len(info['segments'])} segments ({info['strategy']})"
+    table = Table(title=title, title_justify="left")
+    for col, justify in [("seg", "right"), ("first", "left"), ("last", "left"), ("calls", "right")]:
+        table.add_column(col, justify=justify)
+    table.add_column("boundary tensors (kept for backward)", justify="left")
+    table.add_column("kept bytes", justify="right")
+    for seg in info["segments"]:
+        boundary = "\n".join(f"{b['tensor']} {_shape(b['shape'])}" for b in seg["boundary"]) or "-"
+        index = str(seg["index"]) + ("" if seg["recomputed"] else "*")
+        table.add_row(index, seg["first"], seg["last"], str(seg["num_calls"]), boundary, _bytes(seg["kept_bytes"]))
+    console.print(table)
+    totals = info["totals"]
+    ratio = f" (x{totals['ratio']:.2f})" if totals["ratio"] is not None else ""
+    console.print(
+        f"estimated peak activation memory: baseline {_bytes(totals['baseline_bytes'])}, "
+        f"plan {_bytes(totals['plan_bytes'])}{ratio}; bytes {info['bytes_are']}"
+    )
+    console.print(f"estimate: {totals['estimate']}")
+    if any(not s["recomputed"] for s in info["segments"]):
+        console.print("* not recomputed: these layer calls run as they are and keep what they keep")
+
+
+def render_comparison(base, cand, console):
+    from rich.table import Table
+
+    from graphckpt.measure import Comparison
+
+    table = Table(title=f"measured: batch {base.batch_size}, {base.steps} steps, {base.device}", title_justify="left")
+    for col in ("model", "peak training-step memory", "step time", "segments"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for label, m in (("baseline", base), ("graphckpt", cand)):
+        time_s = f"{m.step_time_s * 1000:.1f} ms" if m.step_time_s is not None else "-"
+        table.add_row(label, _bytes(m.peak_bytes), time_s, str(m.num_segments or 0))
+    console.print(table)
+    comparison = Comparison(baseline=(base,), candidate=(cand,))
+    peak, time_ = comparison.peak_ratio, comparison.time_ratio
+    if peak is not None:
+        change = f"{abs(1 - peak) * 100:.0f}% {'less' if peak <= 1 else 'more'}"
+        console.print(f"graphckpt / baseline: peak memory x{peak:.2f} ({change}), step time x{time_:.2f}")
+    return comparison
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _cmd_inspect(args):
+    model = _load(args.model, args.imports, args.debug)
+    model, graph, the_plan = _planned(model, _planner_kwargs(args))
+    info = describe(model, graph, the_plan, args.batch_size)
+    if args.format == "json":
+        print(json.dumps(info, indent=2))
+    elif args.format == "dot":
+        print(to_dot(info, graph))
+    else:
+        render_table(info, _console())
+    return 0
+
+
+def _measure_pair(builder, builder_kwargs, batch_size, checkpoint_kwargs, steps, status_prefix=""):
+    """Baseline then graphckpt, each in a fresh process, with a spinner."""
+    from graphckpt.measure import measure
+
+    console = _console(stderr=True)
+    results = []
+    runs = (("baseline", "the baseline"), ("graphckpt", "the checkpointed model"))
+    for i, (method, what) in enumerate(runs, 1):
+        with console.status(f"{status_prefix}measuring {what} in a fresh process ({i}/2)..."):
+            results.append(
+                measure(
+                    builder,
+                    batch_size=batch_size,
+                    method=method,
+                    builder_kwargs=builder_kwargs,
+                    checkpoint_kwargs=checkpoint_kwargs if method == "graphckpt" else None,
+                    steps=steps,
+                    check=False,
+                )
+            )
+        m = results[-1]
+        if not m.ok:
+            raise CliError(f"measuring {what} failed in phase {m.phase}: {_first_line(m.error)}")
+    return results
+
+
+def _cmd_measure(args):
+    import graphckpt
+
+    model = _load(args.model, args.imports, args.debug)
+    if isinstance(model, graphckpt.CheckpointedModel):
+        raise CliError(
+            f"{args.model} is already checkpointed. Tip: measure the original model "
+            "(`graphckpt.uncheckpoint(model).save(...)`)."
+        )
+    kwargs = _planner_kwargs(args)
+    graphckpt.plan(model, **kwargs)  # bad arguments fail here, before any subprocess
+    builder_kwargs = {"path": os.path.abspath(args.model), "imports": list(args.imports)}
+    base, cand = _measure_pair("graphckpt.cli:load_model_file", builder_kwargs, args.batch_size, kwargs, args.steps)
+    comparison = render_comparison(base, cand, _console())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(comparison.to_dict(), f, indent=2)
+    return 0
+
+
+def demo_model(depth=DEMO["depth"], width=DEMO["width"]):
+    """The demo's model: a deep chain of Dense(width, tanh) layers."""
+    import keras
+
+    inp = keras.Input((width,), name="x")
+    x = inp
+    for i in range(depth):
+        x = keras.layers.Dense(width, activation="tanh", name=f"dense_{i}")(x)
+    return keras.Model(inp, keras.layers.Dense(1, name="head")(x), name=f"dense_chain_{depth}x{width}")
+
+
+def _cmd_demo(args):
+    import graphckpt
+    from graphckpt.graph import build_graph
+
+    console = _console()
+    model = demo_model(args.depth, args.width)
+    kwargs = _planner_kwargs(args)
+    the_plan = graphckpt.plan(model, **kwargs)
+    graph = build_graph(model)
+    console.print(
+        f"[bold]graphckpt demo[/bold]: {model.name}, a chain of {args.depth} Dense({args.width}, tanh) layers, "
+        f"batch {args.batch_size}.\n1. Plan (graphckpt.plan); each segment keeps only its boundary for backward:"
+    )
+    render_table(describe(model, graph, the_plan, args.batch_size), console)
+    console.print("\n2. Measured peak training-step memory, before and after graphckpt.checkpoint_model:")
+    builder_kwargs = {"depth": args.depth, "width": args.width}
+    base, cand = _measure_pair("graphckpt.cli:demo_model", builder_kwargs, args.batch_size, kwargs, args.steps)
+    render_comparison(base, cand, console)
+    return 0
+
+
+# ---------------------------------------------------------------- main
+
+
+def _parser():
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="on error, print the full traceback")
+    planning = argparse.ArgumentParser(add_help=False)
+    planning.add_argument("--segments", metavar="sqrt|N", help="number of segments: 'sqrt' (default) or an integer")
+    planning.add_argument("--budget", metavar="B", help="memory budget for the planner, e.g. 2GiB, 800MB, 1e9")
+    loading = argparse.ArgumentParser(add_help=False)
+    loading.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")
+    loading.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (it registers the model's custom classes); repeatable",
+    )
+
+    parser = _Parser(prog="graphckpt", description="Gradient checkpointing for Keras 3 functional models.", parents=[common])
+    parser.add_argument("--version", action="version", version=f"graphckpt {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("inspect", parents=[common, loading, planning], help="show the plan for a saved model")
+    p.add_argument("--batch-size", type=_positive_int, metavar="N", help="bytes for a batch of N (default: per example)")
+    p.add_argument("--format", choices=("table", "json", "dot"), default="table", help="output format (default: table)")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("measure", parents=[common, loading, planning], help="measure peak memory, baseline vs plan")
+    p.add_argument("--batch-size", type=_positive_int, metavar="N", required=True, help="examples per training step")
+    p.add_argument("--steps", type=_positive_int, default=5, metavar="N", help="measured training steps (default: 5)")
+    p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON to PATH")
+    p.set_defaults(func=_cmd_measure)
+
+    p = sub.add_parser("demo", parents=[common, planning], help="plan and measure a built-in deep Dense chain")
+    p.add_argument("--depth", type=_positive_int, default=DEMO["depth"], metavar="N", help=f"Dense layers (default: {DEMO['depth']})")
+    p.add_argument("--width", type=_positive_int, default=DEMO["width"], metavar="N", help=f"units per layer (default: {DEMO['width']})")
+    p.add_argument("--batch-size", type=_positive_int, default=DEMO["batch_size"], metavar="N", help=f"default: {DEMO['batch_size']}")
+    p.add_argument("--steps", type=_positive_int, default=5, metavar="N", help="measured training steps (default: 5)")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _positive_int(text):
+    if re.fullmatch(r"[0-9]+", text) and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}")
+
+
+def _version():
+    try:
+        from importlib.metadata import version
+
+        return version("graphckpt")
+    except Exception:
+        return "unknown"
+
+
+def main(argv=None):
+    """Runs the graphckpt command line. Returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    try:
+        args = _parser().parse_args(argv)
+        args.debug = debug  # a subcommand's default would hide a leading --debug
+        if args.command in ("inspect", "measure", "demo") and getattr(args, "segments", None) is not None:
+            parse_segments(args.segments)  # a bad value fails before TensorFlow loads
+        if getattr(args, "budget", None) is not None:
+            parse_budget(args.budget)
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("graphckpt: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from graphckpt.errors import GraphckptError, InvalidArgumentError
+
+        if debug:
+            traceback.print_exc()
+        if isinstance(e, CliError):
+            code = e.code
+        elif isinstance(e, GraphckptError):
+            code = 2 if isinstance(e, InvalidArgumentError) else 1
+        else:
+            code = 1
+        message = " ".join(str(e).split()) or type(e).__name__
+        if not isinstance(e, (CliError, GraphckptError)):
+            message = f"{type(e).__name__}: {message}"
+        print(f"graphckpt: error: {message}", file=sys.stderr)
+        return code
