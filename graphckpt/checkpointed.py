@@ -50,10 +50,17 @@ def _call_ordinals(graph):
 def plan_to_config(graph, plan):
     """A plan as JSON-friendly data that does not depend on node indices."""
     ordinal = _call_ordinals(graph)
-    return {
+    config = {
         "strategy": plan.strategy,
         "segments": [[list(ordinal[n]) for n in seg.nodes] for seg in plan.segments],
+        "remat": [bool(getattr(seg, "remat", True)) for seg in plan.segments],
     }
+    # Whatever else the plan records (estimates, budget): plain values.
+    extra = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    for name in ("segments", "order", "strategy"):
+        extra.pop(name)
+    config["info"] = extra
+    return config
 
 
 def plan_from_config(graph, config):
@@ -67,7 +74,13 @@ def plan_from_config(graph, config):
         raise ValueError(
             f"The saved plan names {len(order)} layer calls, but the model has {len(node_of)}."
         )
-    return plan_from_boundaries(graph, order, boundaries, strategy=config["strategy"])
+    kwargs = {}
+    if not all(config.get("remat", [True])):
+        kwargs["remat"] = config["remat"]
+    plan = plan_from_boundaries(graph, order, boundaries, strategy=config["strategy"], **kwargs)
+    fields = {f.name for f in dataclasses.fields(plan)}
+    info = {k: v for k, v in config.get("info", {}).items() if k in fields}
+    return dataclasses.replace(plan, **info)
 
 
 @keras.saving.register_keras_serializable(package="graphckpt")

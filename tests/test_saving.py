@@ -14,6 +14,8 @@ import tensorflow as tf
 from keras import layers
 
 import graphckpt
+from graphckpt.checkpointed import plan_to_config
+from graphckpt.graph import build_graph
 from graphckpt.segment import Segment
 from tests import models
 from tests.helpers import compare_step
@@ -27,6 +29,10 @@ def save_and_load(model, tmp_path, name="ck.keras"):
 
 def segment_contents(model):
     return [[l.name for l in s.model.layers] for s in model.layers if isinstance(s, Segment)]
+
+
+def plan_config(ck):
+    return plan_to_config(build_graph(graphckpt.uncheckpoint(ck)), ck.plan)
 
 
 def predict(model, x):
@@ -46,6 +52,7 @@ def test_round_trip(name, tmp_path):
     loaded, path = save_and_load(ck, tmp_path)
     assert type(loaded) is graphckpt.CheckpointedModel
     assert segment_contents(loaded) == segment_contents(ck)
+    assert plan_config(loaded) == plan_config(ck)
     assert len(loaded.weights) == len(ck.weights) == len(model.weights)
     assert_same(predict(loaded, x), predict(ck, x), rtol=1e-6, atol=1e-6)
     # The file holds the source model once, and the plan; no Segment configs.
@@ -121,6 +128,9 @@ def test_layer_with_calls_outside_the_model(tmp_path):
     ck = graphckpt.checkpoint_model(model, segments=2)
     loaded, _ = save_and_load(ck, tmp_path)
     assert segment_contents(loaded) == segment_contents(ck)
+    assert plan_config(loaded) == plan_config(ck)
+    assert ("reused", 1) in ck.plan.order  # node index 1 here...
+    assert ("reused", 0) in loaded.plan.order  # ...and 0 after loading
     x = np.ones((2, 8), "float32")
     assert_same(predict(loaded, x), predict(ck, x), rtol=1e-6)
 
