@@ -146,6 +146,10 @@ class Segment(keras.layers.Layer):
                 tuple(i for i, m in enumerate(out_masks) if m is not None),
                 tuple(updated),
                 len(losses),
+                # Floating outputs first: in graph mode `tf.recompute_grad`
+                # reads the gradient of the *first* result, which must not be
+                # the (absent) gradient of a boolean or integer output.
+                tuple(sorted(range(len(outs)), key=lambda i: not _is_float(outs[i]))),
             )
             if layout.setdefault("found", found) != found:
                 raise RuntimeError(
@@ -154,11 +158,13 @@ class Segment(keras.layers.Layer):
                 )
             # Masks travel as floats: no gradient, no bool arithmetic in remat.
             float_masks = [ops.cast(out_masks[i], "float32") for i in found[1]]
-            return tuple(outs + float_masks + new_state + losses)
+            return tuple([outs[i] for i in found[4]] + float_masks + new_state + losses)
 
         results = list(keras.remat(forward)(*[inputs[i] for i in float_idx]))
-        n_out, masked, updated, n_losses = layout["found"]
-        outs = results[:n_out]
+        n_out, masked, updated, n_losses, out_order = layout["found"]
+        outs = [None] * n_out
+        for i, x in zip(out_order, results[:n_out]):
+            outs[i] = x
         rest = results[n_out:]
         for i, m in zip(masked, rest[: len(masked)]):
             keras_backend.set_keras_mask(outs[i], ops.cast(m, "bool"))
