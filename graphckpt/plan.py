@@ -12,10 +12,21 @@ Contract:
 - Works on any DAG: no articulation points are needed. Boundaries where few
   bytes cross are preferred, so single-tensor cut points win where they
   exist.
+- Memory budgets: given per-call costs (`NodeCosts`, made by
+  `graphckpt.estimate` from a Keras model, or by hand), `plan_for_budget`
+  finds the plan of least recompute whose estimated peak fits a budget, and
+  `segment_peaks` / `estimated_peak` evaluate the same memory model on any
+  plan. Segments may be marked `remat=False`: their calls run as they are.
+  The module uses numpy for the span tables, never Keras.
 
 References:
     Chen, Xu, Zhang, Guestrin. "Training Deep Nets with Sublinear Memory
-    Cost", 2016 (sqrt(n) segments; segment inputs kept, interiors recomputed).
+    Cost", 2016 (sqrt(n) segments; segment inputs kept, interiors recomputed;
+    memory-budgeted segmentation).
+
+    Feng, Huang. "Optimal Gradient Checkpoint Search for Arbitrary
+    Computation Graphs", CVPR 2021 (dynamic programming over a linearized
+    arbitrary graph).
 """
 
 import dataclasses
@@ -31,17 +42,32 @@ __all__ = [
     "plan_from_boundaries",
     "plan_segments",
     "validate_plan",
+    "NodeCosts",
+    "SegmentPeak",
+    "BudgetInfeasible",
+    "segment_peaks",
+    "estimated_peak",
+    "baseline_peak",
+    "smallest_peak",
+    "plan_for_budget",
 ]
 
 
 @dataclasses.dataclass(frozen=True)
 class PlannedSegment:
-    """One segment: its layer calls in order, and the tensors that cross it."""
+    """One segment: its layer calls in order, and the tensors that cross it.
+
+    `remat` is true for a checkpointed segment (only its inputs are kept for
+    backward; its interior is recomputed). A segment with `remat=False` runs
+    its layer calls as they are, keeping what they keep: budget plans and
+    recompute policies use such segments for calls not worth recomputing.
+    """
 
     index: int
     nodes: tuple
     inputs: tuple
     outputs: tuple
+    remat: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +77,27 @@ class Plan:
     Attributes:
         segments: `PlannedSegment`s in execution order.
         order: every layer call, in the topological order the segments cut.
-        strategy: how it was chosen, e.g. `"sqrt"` or `"fixed"`.
+        strategy: how it was chosen: `"sqrt"`, `"fixed"`, `"budget"` or
+            `"policy"`.
+        estimated_peak_bytes: the estimated peak training-step activation
+            memory of the checkpointed model (see `graphckpt.estimate`), or
+            None when not estimated.
+        baseline_peak_bytes: the same estimate for the original model.
+        batch_size: the batch size of both estimates. None means they are
+            per example: activation memory only, which scales linearly with
+            the batch (parameter-sized gradient buffers left out).
+        budget_bytes: the budget a `"budget"` plan was made for.
+        policy: the name of the recompute policy used, if any.
     """
 
     segments: tuple
     order: tuple
     strategy: str
+    estimated_peak_bytes: int | None = None
+    baseline_peak_bytes: int | None = None
+    batch_size: int | None = None
+    budget_bytes: int | None = None
+    policy: str | None = None
 
     @property
     def num_layer_calls(self):
@@ -75,9 +116,15 @@ class Plan:
         """Plain, JSON-friendly data: lists of keys per segment."""
         return {
             "strategy": self.strategy,
+            "estimated_peak_bytes": self.estimated_peak_bytes,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "batch_size": self.batch_size,
+            "budget_bytes": self.budget_bytes,
+            "policy": self.policy,
             "segments": [
                 {
                     "index": s.index,
+                    "remat": s.remat,
                     "nodes": [list(n) for n in s.nodes],
                     "inputs": [list(t) for t in s.inputs],
                     "outputs": [list(t) for t in s.outputs],
@@ -143,7 +190,7 @@ def crossing_bytes(graph, order):
     return out
 
 
-def plan_from_boundaries(graph, order, boundaries, strategy="fixed"):
+def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None):
     """Builds the `Plan` that cuts `order` at `boundaries`.
 
     Args:
@@ -152,8 +199,13 @@ def plan_from_boundaries(graph, order, boundaries, strategy="fixed"):
         boundaries: increasing start positions, beginning with 0; the last
             segment runs to the end of `order`.
         strategy: a label stored on the plan.
+        remat: optional sequence of bools, one per segment: False marks a
+            segment whose layer calls run as they are (default: all True).
     """
     order = tuple(order)
+    remat = [True] * len(boundaries) if remat is None else [bool(r) for r in remat]
+    if len(remat) != len(boundaries):
+        raise ValueError(f"`remat` needs one flag per segment ({len(boundaries)}). Received: {len(remat)} flags")
     bounds = list(boundaries) + [len(order)]
     consumers = _consumers(graph)
     tensors = graph.graph["tensors"]
@@ -177,7 +229,7 @@ def plan_from_boundaries(graph, order, boundaries, strategy="fixed"):
                 used_later = any(segment_of[c] != i for c in consumers.get(t, ()))
                 if used_later or t in model_outputs:
                     outputs.append(t)
-        segments.append(PlannedSegment(i, nodes, tuple(inputs), tuple(outputs)))
+        segments.append(PlannedSegment(i, nodes, tuple(inputs), tuple(outputs), remat[i]))
     return Plan(segments=tuple(segments), order=order, strategy=strategy)
 
 
@@ -278,3 +330,421 @@ def validate_plan(graph, plan):
         }
         assert set(seg.inputs) == want_in, f"inputs of segment {seg.index}"
         assert set(seg.outputs) == want_out, f"outputs of segment {seg.index}"
+
+
+# ---------------------------------------------------------------- memory budget
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCosts:
+    """What the memory model needs about each layer call, for one batch.
+
+    `graphckpt.estimate.node_costs` makes one from a Keras model; tests make
+    them by hand. Bytes are absolute for the batch the costs were made for
+    (per example when `per_example` is true).
+
+    Attributes:
+        tensor_bytes: tensor key -> bytes of that tensor.
+        saved: tensor keys the original model keeps for backward (because
+            the producer or a consumer needs the value in its gradient).
+        internal: layer call -> bytes it keeps for backward besides graph
+            tensors: pre-activations, dropout masks, attention scores...
+        workspace: layer call -> transient bytes of its backward step
+            (input and parameter gradients, temporaries).
+        compute: layer call -> cost of running it forward once (FLOPs).
+        fixed: bytes every plan pays alike (the loss, the batch's gradients).
+        per_example: whether the bytes are per example.
+    """
+
+    tensor_bytes: dict
+    saved: frozenset
+    internal: dict
+    workspace: dict
+    compute: dict
+    fixed: int = 0
+    per_example: bool = False
+
+    def kept(self, node, graph):
+        """Bytes `node` keeps for backward when it runs as it is: its
+        internal buffers and those of its outputs that are saved."""
+        outs = graph.graph.get("_produced", {}).get(node)
+        if outs is None:
+            outs = [k for k, info in graph.graph["tensors"].items() if info.producer == node]
+        return self.internal.get(node, 0) + sum(self.tensor_bytes[t] for t in outs if t in self.saved)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentPeak:
+    """The memory model's view of one segment during the backward pass.
+
+    Attributes:
+        index: the segment's index in the plan.
+        remat: whether it is recomputed.
+        held_before_bytes: bytes held for the segments before it when its
+            backward runs (their boundary tensors, or everything a
+            non-recomputed segment keeps).
+        held_bytes: what this segment holds for the later segments'
+            backward: its output tensors (values or their gradients) when
+            recomputed; everything its calls keep when not.
+        recompute_peak_bytes: the segment's own peak during its backward:
+            what its calls keep (recomputed, when `remat`), plus the
+            gradients of its outputs and the largest backward workspace.
+        peak_bytes: `fixed + held_before + recompute_peak`.
+        recompute_cost: forward cost recomputed for it (0 when not `remat`).
+    """
+
+    index: int
+    remat: bool
+    held_before_bytes: int
+    held_bytes: int
+    recompute_peak_bytes: int
+    peak_bytes: int
+    recompute_cost: float
+
+
+class BudgetInfeasible(ValueError):
+    """No plan's estimated peak fits the budget. `smallest_bytes` is the
+    smallest estimated peak any plan reaches."""
+
+    def __init__(self, message, smallest_bytes, budget_bytes):
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes
+        self.budget_bytes = budget_bytes
+
+
+class _Spans:
+    """Memory-model quantities of every span `[a, b)` of one order.
+
+    The model (all bytes for one batch), for segments run in reverse during
+    the backward pass, segment i spanning positions [a_i, b_i):
+        peak = fixed + max_i (sum_{j<i} held_j + inner_i)
+        held_j = out(a_j, b_j)                      recomputed segment
+               = kept(a_j, b_j) + unsaved_out(a_j, b_j)   otherwise
+        inner_i = max_{v in seg} (kept(a_i, v+1) + workspace(v))
+                  + out(a_i, b_i)  [+ in(a_i, b_i) when recomputed]
+    `out(a, b)`: tensors made in [a, b) and used at b or later (as values
+    for later consumers, or as gradients coming back from them);
+    `in(a, b)`: tensors made before a and used in [a, b), which the
+    recompute copies (TensorFlow's `recompute_grad` orders it after the
+    incoming gradient through a data dependency on every argument).
+    """
+
+    def __init__(self, graph, order, costs):
+        import numpy as np
+
+        self.n = n = len(order)
+        pos = {v: i for i, v in enumerate(order)}
+        consumers = _consumers(graph)
+        model_outputs = set(graph.graph["outputs"])
+        # produced[p][last_use] bytes; first_use/last_use of tensors made before
+        made = np.zeros((n + 1, n + 2))  # [producer position, last use]
+        unsaved = np.zeros((n + 1, n + 2))
+        in_diff = np.zeros((n + 2, n + 2))  # 2-D difference array of in(a, b)
+        produced = {}
+        for key, info in graph.graph["tensors"].items():
+            uses = sorted({pos[c] for c in consumers.get(key, ()) if c in pos})
+            nbytes = costs.tensor_bytes.get(key, 0)
+            p = pos.get(info.producer, -1)  # -1: a model input
+            if p >= 0:
+                produced.setdefault(info.producer, []).append(key)
+                last = n if key in model_outputs else (uses[-1] if uses else p)
+                if last > p:
+                    made[p, last] += nbytes
+                    if key not in costs.saved:
+                        unsaved[p, last] += nbytes
+            # A span [a, b) takes the tensor as an input when a > p and its
+            # first use at or after a comes before b: for a in
+            # (previous use, use], every b > use.
+            prev = p
+            for use in uses:
+                in_diff[prev + 1, use + 1] += nbytes
+                in_diff[use + 1, use + 1] -= nbytes
+                prev = use
+        self.produced = produced
+        kept = np.array([costs.internal.get(v, 0) for v in order], dtype=float)
+        for v in order:
+            kept[pos[v]] += sum(costs.tensor_bytes.get(t, 0) for t in produced.get(v, ()) if t in costs.saved)
+        work = np.array([costs.workspace.get(v, 0) for v in order], dtype=float)
+        comp = np.array([costs.compute.get(v, 0.0) for v in order], dtype=float)
+        self.kept_prefix = np.concatenate([[0.0], np.cumsum(kept)])
+        self.compute_prefix = np.concatenate([[0.0], np.cumsum(comp)])
+        self.fixed = costs.fixed
+        # out(a, b) = sum_{a <= p < b, last >= b} made[p, last]
+        suffix = np.cumsum(made[:, ::-1], axis=1)[:, ::-1]  # suffix[p, b] = sum_{last >= b}
+        usuffix = np.cumsum(unsaved[:, ::-1], axis=1)[:, ::-1]
+        cum = np.concatenate([np.zeros((1, n + 2)), np.cumsum(suffix, axis=0)])  # cum[x, b] = sum_{p < x}
+        ucum = np.concatenate([np.zeros((1, n + 2)), np.cumsum(usuffix, axis=0)])
+        self.out = np.diagonal(cum[:, : n + 1])[None, :] - cum[: n + 1, : n + 1]  # [a, b]
+        self.unsaved_out = np.diagonal(ucum[:, : n + 1])[None, :] - ucum[: n + 1, : n + 1]
+        self.in_ = np.cumsum(np.cumsum(in_diff, axis=0), axis=1)[: n + 1, : n + 1]
+        # max_{v in [a, b)} (kept_prefix[v+1] + work[v]) - kept_prefix[a]
+        z = self.kept_prefix[1:] + work
+        self.work_peak = np.zeros((n + 1, n + 1))
+        for a in range(n):
+            self.work_peak[a, a + 1 :] = np.maximum.accumulate(z[a:]) - self.kept_prefix[a]
+
+        # The four span matrices the search reads, indexed [a, b].
+        kept_span = self.kept_prefix[None, :] - self.kept_prefix[:, None]
+        self.inner_kept = self.work_peak + self.out
+        self.inner_remat = self.inner_kept + self.in_
+        self.held_kept = kept_span + self.unsaved_out
+        self.held_remat = self.out
+        self.cost_span = self.compute_prefix[None, :] - self.compute_prefix[:, None]
+
+    def inner(self, a, b, remat):
+        return float((self.inner_remat if remat else self.inner_kept)[a, b])
+
+    def held(self, a, b, remat):
+        return float((self.held_remat if remat else self.held_kept)[a, b])
+
+    def cost(self, a, b):
+        return float(self.cost_span[a, b])
+
+
+def _spans_for(graph, order, costs):
+    return _Spans(graph, tuple(order), costs)
+
+
+def segment_peaks(graph, plan, costs):
+    """The memory model's per-segment view of `plan` (see `_Spans`).
+
+    Args:
+        graph: the layer-call graph.
+        plan: a `Plan` over it (any strategy; `remat` flags honoured).
+        costs: `NodeCosts` for the graph.
+
+    Returns:
+        A tuple of `SegmentPeak`, one per segment; the plan's estimated
+        peak is the largest `peak_bytes`.
+    """
+    spans = _spans_for(graph, plan.order, costs)
+    held, out = 0.0, []
+    bounds = plan.boundaries
+    for seg, a, b in zip(plan.segments, bounds, bounds[1:]):
+        inner = spans.inner(a, b, seg.remat)
+        h = spans.held(a, b, seg.remat)
+        out.append(
+            SegmentPeak(
+                index=seg.index,
+                remat=seg.remat,
+                held_before_bytes=int(round(held)),
+                held_bytes=int(round(h)),
+                recompute_peak_bytes=int(round(inner)),
+                peak_bytes=int(round(costs.fixed + held + inner)),
+                recompute_cost=spans.cost(a, b) if seg.remat else 0.0,
+            )
+        )
+        held += h
+    return tuple(out)
+
+
+def estimated_peak(graph, plan, costs):
+    """The memory model's peak of `plan`, in bytes (see `segment_peaks`)."""
+    return max(s.peak_bytes for s in segment_peaks(graph, plan, costs))
+
+
+def baseline_peak(graph, costs):
+    """The memory model's peak of the model without checkpointing: one
+    segment that is not recomputed."""
+    order = topological_order(graph)
+    spans = _spans_for(graph, order, costs)
+    return int(round(costs.fixed + spans.inner(0, len(order), False)))
+
+
+def _search(spans, cap, forbidden):
+    """Least-recompute plan with every segment's peak within `cap`.
+
+    Dynamic programming over the cut positions of one order. State: (cut
+    position b, whether the segment ending at b is kept). Each state holds
+    the Pareto front of (held bytes, recompute cost) over the plans of the
+    prefix [0, b) whose segments all fit `cap`: the later segments' peaks
+    depend on a prefix only through its held bytes, so the front loses no
+    optimal plan. Two kept segments never touch (they would be one), and a
+    recomputed segment holds no call marked in `forbidden` (a prefix count
+    over the order).
+
+    Returns (cost, [(a, b, remat), ...]), or None when nothing fits.
+    """
+    import numpy as np
+
+    n = spans.n
+    forbidden = np.asarray(forbidden)
+    # front: (held array sorted ascending, cost array, back-pointer list)
+    fronts = {(0, False): (np.zeros(1), np.zeros(1), [None])}
+    for b in range(1, n + 1):
+        new = {True: [], False: []}  # keyed by "the segment ending at b is kept"
+        for a in range(b - 1, -1, -1):
+            kept_inner = spans.inner_kept[a, b]
+            if kept_inner > cap:
+                break  # the inner peak only grows as a span reaches back
+            may_remat = forbidden[b] == forbidden[a]
+            for remat in (True, False) if may_remat else (False,):
+                inner = spans.inner_remat[a, b] if remat else kept_inner
+                if inner > cap:
+                    continue
+                h = (spans.held_remat if remat else spans.held_kept)[a, b]
+                c = spans.cost_span[a, b] if remat else 0.0
+                for prev_kept in (False, True) if remat else (False,):
+                    front = fronts.get((a, prev_kept))
+                    if front is None:
+                        continue
+                    held, cost, _ = front
+                    k = int(np.searchsorted(held, cap - inner, side="right"))
+                    if k:
+                        new[not remat].append((held[:k] + h, cost[:k] + c, a, prev_kept, k))
+        for kept, parts in new.items():
+            if parts:
+                fronts[(b, kept)] = _pareto(parts)
+    finals = [(fronts[key][1].min(), key) for key in ((n, False), (n, True)) if key in fronts]
+    if not finals:
+        return None
+    cost, key = min(finals, key=lambda f: f[0])
+    i = int(np.argmin(fronts[key][1]))
+    segments = []
+    while key[0] > 0:
+        a, prev_kept, j = fronts[key][2][i]
+        segments.append((a, key[0], not key[1]))
+        key, i = (a, prev_kept), j
+    return float(cost), segments[::-1]
+
+
+def _pareto(parts):
+    """Merges candidate (held, cost) arrays into one Pareto front: sorted by
+    held bytes, each point cheaper than every point holding less."""
+    import numpy as np
+
+    held = np.concatenate([p[0] for p in parts])
+    cost = np.concatenate([p[1] for p in parts])
+    back = [(a, prev_kept, j) for _, _, a, prev_kept, k in parts for j in range(k)]
+    order = np.lexsort((cost, held))
+    held, cost = held[order], cost[order]
+    best_before = np.minimum.accumulate(np.concatenate([[np.inf], cost[:-1]]))
+    keep = cost < best_before
+    idx = order[keep]
+    return held[keep], cost[keep], [back[i] for i in idx]
+
+
+def _least_held(spans, cap, forbidden):
+    """Whether some plan fits `cap`: dynamic programming over cut positions
+    keeping, per state, only the least held bytes (enough for feasibility,
+    since later peaks grow with the held bytes)."""
+    import numpy as np
+
+    n = spans.n
+    forbidden = np.asarray(forbidden)
+    inf = np.inf
+    best = np.full((n + 1, 2), inf)  # [b, segment ending at b is kept]
+    best[0, 0] = 0.0
+    for b in range(1, n + 1):
+        free = best[:b, 0]
+        any_ = np.minimum(best[:b, 0], best[:b, 1])
+        ok_remat = (forbidden[b] == forbidden[:b]) & (any_ + spans.inner_remat[:b, b] <= cap)
+        ok_kept = free + spans.inner_kept[:b, b] <= cap
+        r = np.where(ok_remat, any_ + spans.held_remat[:b, b], inf)
+        k = np.where(ok_kept, free + spans.held_kept[:b, b], inf)
+        best[b, 0], best[b, 1] = r.min(), k.min()
+    return bool(np.isfinite(best[n]).any())
+
+
+def _forbidden_prefix(order, keep):
+    counts = [0]
+    for v in order:
+        counts.append(counts[-1] + (1 if v in keep else 0))
+    return counts
+
+
+def smallest_peak(graph, costs, *, keep=()):
+    """The smallest estimated peak of any plan (segments recomputed or not,
+    over the planner's topological order), in bytes.
+
+    Args:
+        graph: the layer-call graph.
+        costs: `NodeCosts` for it.
+        keep: layer calls that may not be recomputed.
+    """
+    order = topological_order(graph)
+    spans = _spans_for(graph, order, costs)
+    return _smallest(spans, _forbidden_prefix(order, set(keep))) + costs.fixed
+
+
+def _smallest(spans, forbidden):
+    # Peaks are sums of whole bytes, so bisection over integers is exact.
+    # One kept segment (the original model) always fits its own peak.
+    lo, hi = 0, int(math.ceil(spans.inner_kept[0, spans.n]))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _least_held(spans, mid, forbidden):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget"):
+    """The plan of least recompute whose estimated peak fits a budget.
+
+    Chooses where to cut the layer calls of one topological order into
+    segments, and which segments to recompute, so that the memory model's
+    peak (see `_Spans`: for each segment, in backward order, the boundary
+    tensors held for the earlier segments plus the segment's own recompute
+    peak) stays at or below `budget_bytes`, and the forward cost recomputed
+    (FLOPs of the recomputed calls) is least. Segments that are not
+    recomputed keep their calls' activations, as the original model does;
+    that is how the plan spends spare memory to skip recomputation.
+
+    The search is a dynamic program over cut positions with a Pareto front
+    of (bytes held, recompute cost) per state: exact for the model, in
+    O(n^2 * front) time. It generalizes Chen et al.'s budgeted segmentation
+    (a greedy pass over a chain with a memory budget) to an exact search
+    with per-call costs, in the spirit of Feng & Huang's dynamic program over
+    a linearized graph.
+
+    Args:
+        graph: the layer-call graph (see `graphckpt.graph`).
+        costs: `NodeCosts` for it, at the batch size the budget is for.
+        budget_bytes: the largest estimated peak allowed.
+        keep: layer calls never to recompute (a recompute policy).
+        strategy: the label stored on the plan.
+
+    Returns:
+        A `Plan` whose `estimated_peak_bytes` is at most `budget_bytes`.
+
+    Raises:
+        BudgetInfeasible: no plan fits; it carries the smallest peak any
+            plan reaches.
+
+    References:
+        Chen, Xu, Zhang, Guestrin. "Training Deep Nets with Sublinear Memory
+        Cost", arXiv:1604.06174, 2016 (section 4.3: memory-budgeted
+        segmentation; checkpointed segments keep only their inputs).
+
+        Feng, Huang. "Optimal Gradient Checkpoint Search for Arbitrary
+        Computation Graphs", CVPR 2021 (dynamic programming over the
+        segments of a topological order of an arbitrary graph).
+
+        Jain et al. "Checkmate: Breaking the Memory Wall with Optimal Tensor
+        Rematerialization", MLSys 2020 (least recompute cost under a memory
+        budget, there as a MILP).
+    """
+    order = topological_order(graph)
+    spans = _spans_for(graph, order, costs)
+    forbidden = _forbidden_prefix(order, set(keep))
+    found = _search(spans, budget_bytes - costs.fixed, forbidden)
+    if found is None:
+        smallest = _smallest(spans, forbidden) + costs.fixed
+        raise BudgetInfeasible(
+            f"No plan fits a budget of {budget_bytes} bytes: the smallest estimated peak is {smallest} bytes",
+            smallest,
+            budget_bytes,
+        )
+    _, segments = found
+    plan = plan_from_boundaries(
+        graph, order, [a for a, _, _ in segments], strategy=strategy, remat=[r for _, _, r in segments]
+    )
+    return dataclasses.replace(
+        plan,
+        estimated_peak_bytes=estimated_peak(graph, plan, costs),
+        baseline_peak_bytes=baseline_peak(graph, costs),
+        batch_size=None,
+        budget_bytes=int(budget_bytes),
+    )

@@ -19,6 +19,18 @@ from graphckpt.segment import Segment
 __all__ = ["rewrite"]
 
 
+def _replay(graph, nodes, values):
+    """Calls the layers of `nodes` again, on the tensors in `values` (graph
+    tensor key -> tensor), adding the results to `values`."""
+    for node_key in nodes:
+        node = graph.nodes[node_key]["node"]
+        by_id = {id(t): values[tensor_key(t)] for t in node.input_tensors}
+        args, kwargs = node.arguments.fill_in(by_id)
+        outputs = tree.flatten(node.operation(*args, **kwargs))
+        for original, new in zip(node.outputs, outputs):
+            values[tensor_key(original)] = new
+
+
 def _segment_model(graph, seg, name):
     """The functional sub-model of one planned segment."""
     tensors = graph.graph["tensors"]
@@ -29,13 +41,7 @@ def _segment_model(graph, seg, name):
         x = keras.Input(batch_shape=info.shape, dtype=info.dtype, name=f"{name}_in{len(inputs)}")
         values[key] = x
         inputs.append(x)
-    for node_key in seg.nodes:
-        node = graph.nodes[node_key]["node"]
-        by_id = {id(t): values[tensor_key(t)] for t in node.input_tensors}
-        args, kwargs = node.arguments.fill_in(by_id)
-        outputs = tree.flatten(node.operation(*args, **kwargs))
-        for original, new in zip(node.outputs, outputs):
-            values[tensor_key(original)] = new
+    _replay(graph, seg.nodes, values)
     outputs = [values[key] for key in seg.outputs]
     return keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model")
 
@@ -78,7 +84,14 @@ def rewrite(model, graph, plan):
     try:
         values = {tensor_key(t): t for t in fn.inputs}
         taken = {t.name for t in fn.inputs}
+        # Segments with `remat=False` (budget plans, policies) call their
+        # layers directly in the new model, under their own names.
+        inline = {n for seg in plan.segments if not seg.remat for n in seg.nodes}
+        taken |= {graph.nodes[n]["layer"].name for n in inline}
         for seg in plan.segments:
+            if not seg.remat:
+                _replay(graph, seg.nodes, values)
+                continue
             name = _unique(f"segment_{seg.index}", taken)
             layer = Segment(_segment_model(graph, seg, name), name=name)
             outs = layer([values[k] for k in seg.inputs])
@@ -86,7 +99,8 @@ def rewrite(model, graph, plan):
         outputs = []
         for key, original in zip(graph.graph["outputs"], fn.outputs):
             out = values[key]
-            if key not in graph.graph["inputs"]:
+            # An output made inline already carries its layer's own name.
+            if key not in graph.graph["inputs"] and graph.graph["tensors"][key].producer not in inline:
                 out_name = _unique(original._keras_history.operation.name, taken)
                 out = keras.layers.Identity(name=out_name)(out)
             outputs.append(out)
