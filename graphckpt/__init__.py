@@ -1,7 +1,9 @@
 """graphckpt: gradient checkpointing for Keras 3 functional models."""
 
+from graphckpt import policies
 from graphckpt.api import checkpoint_model, is_checkpointed, plan
 from graphckpt.checkpointed import CheckpointedModel, uncheckpoint
+from graphckpt.estimate import MemoryEstimate, estimate
 from graphckpt.errors import (
     GraphckptError,
     InfeasibleBudgetError,
@@ -19,6 +21,9 @@ __all__ = [
     "checkpoint_model",
     "plan",
     "is_checkpointed",
+    "estimate",
+    "MemoryEstimate",
+    "policies",
     "uncheckpoint",
     "install",
     "uninstall",

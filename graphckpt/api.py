@@ -10,7 +10,7 @@ import keras
 
 from graphckpt import errors
 from graphckpt.graph import build_graph, functional_of
-from graphckpt.plan import plan_segments
+from graphckpt.budget import choose_plan
 from graphckpt.rewrite import rewrite
 from graphckpt.segment import Segment
 
@@ -50,7 +50,7 @@ def _check_model(model):
         )
 
 
-def _planned(model, segments):
+def _planned(model, segments, budget=None, batch_size=None, policy=None):
     _check_model(model)
     if is_checkpointed(model):
         raise errors.UnsupportedModelError(
@@ -59,36 +59,54 @@ def _planned(model, segments):
             "or use the checkpointed one as it is."
         )
     graph = build_graph(model)
-    try:
-        return graph, plan_segments(graph, segments=segments)
-    except ValueError as e:
-        raise errors.InvalidArgumentError(
-            f"{e}. Accepted: 'sqrt' (the default), or an int from 1 to the number of layer calls."
-        ) from None
+    the_plan, unchanged = choose_plan(graph, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
+    return graph, the_plan, unchanged
 
 
-def plan(model, *, segments="sqrt"):
+def plan(model, *, segments="sqrt", budget=None, batch_size=None, policy=None):
     """Plans the segments of `model` without rewriting it.
 
     Args:
         model: a built functional `keras.Model` or `keras.Sequential`.
-        segments: `"sqrt"` (about sqrt(n) segments over n layer calls) or an
-            int from 1 to n.
+        segments: `"sqrt"` (default: about sqrt(n) segments over n layer
+            calls) or an int from 1 to n. Not with `budget` or `policy`.
+        budget: a memory budget for the estimated peak training-step
+            activation memory: an int of bytes, a string such as `"512MiB"`,
+            `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a
+            fraction of the estimated peak without checkpointing. The plan
+            of least recompute (forward FLOPs) that fits is chosen; calls
+            are recomputed only where memory requires it. A budget at or
+            above the baseline leaves the model unchanged, with a warning.
+        batch_size: the batch size to estimate memory for (default: the
+            model's fixed batch size, if any). A budget in bytes needs one;
+            without one, estimates are per example.
+        policy: a recompute policy, `"save_expensive"` or a callable from
+            `graphckpt.policies`: the calls it names (Dense, convolutions,
+            attention, ...) are never recomputed; only the cheap calls
+            between them are. Alone, it picks the smallest estimated peak
+            under that rule; with `budget`, the least recompute that fits.
 
     Returns:
-        A `graphckpt.Plan`: plain, immutable data about the segments.
+        A `graphckpt.Plan`: plain, immutable data about the segments, with
+        `estimated_peak_bytes` and `baseline_peak_bytes` (per example when
+        `batch_size` is None; see `graphckpt.estimate`).
 
     Raises:
         graphckpt.GraphckptError: for a model or argument graphckpt can't use.
+        graphckpt.InfeasibleBudgetError: no plan's estimate fits `budget`;
+            the message gives the smallest estimate any plan reaches.
 
     Example:
-        >>> p = graphckpt.plan(model, segments=4)
-        >>> [len(s.nodes) for s in p.segments]
+        >>> p = graphckpt.plan(model, budget=0.3, batch_size=32)
+        >>> p.estimated_peak_bytes, p.baseline_peak_bytes
     """
-    return _planned(model, segments)[1]
+    graph, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy)
+    if unchanged:
+        warnings.warn(f"The plan for model '{model.name}' checkpoints nothing: {unchanged}.", stacklevel=2)
+    return the_plan
 
 
-def checkpoint_model(model, *, segments="sqrt"):
+def checkpoint_model(model, *, segments="sqrt", budget=None, batch_size=None, policy=None):
     """Returns a copy of `model`'s graph that trains with less memory.
 
     Gradient checkpointing trades compute for memory: the model's layer calls
@@ -105,24 +123,47 @@ def checkpoint_model(model, *, segments="sqrt"):
     Args:
         model: a built functional `keras.Model` or `keras.Sequential`.
         segments: `"sqrt"` (default: about sqrt(n) segments over n layer
-            calls) or an int from 1 to n.
+            calls) or an int from 1 to n. Not with `budget` or `policy`.
+        budget: a memory budget for the estimated peak training-step
+            activation memory: an int of bytes, a string such as `"512MiB"`,
+            `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a
+            fraction of the estimated peak without checkpointing. The plan
+            of least recompute (forward FLOPs) that fits is chosen; calls
+            are recomputed only where memory requires it. A budget at or
+            above the baseline leaves the model unchanged, with a warning.
+        batch_size: the batch size to estimate memory for (default: the
+            model's fixed batch size, if any). A budget in bytes needs one;
+            without one, estimates are per example.
+        policy: a recompute policy, `"save_expensive"` or a callable from
+            `graphckpt.policies`: the calls it names (Dense, convolutions,
+            attention, ...) are never recomputed; only the cheap calls
+            between them are. Alone, it picks the smallest estimated peak
+            under that rule; with `budget`, the least recompute that fits.
 
     Returns:
         A new functional `keras.Model`, or `model` itself (with a warning)
-        when it has fewer than 2 layer calls.
+        when it has fewer than 2 layer calls or when the plan would
+        recompute nothing (a budget at or above the estimated baseline).
 
     Raises:
         graphckpt.NotAModelError: `model` is not a Keras model.
         graphckpt.UnsupportedModelError: subclassed, unbuilt or already
             checkpointed.
-        graphckpt.InvalidArgumentError: a bad `segments`.
+        graphckpt.InvalidArgumentError: a bad or conflicting `segments`,
+            `budget`, `batch_size` or `policy`.
+        graphckpt.InfeasibleBudgetError: no plan's estimate fits `budget`.
 
     Example:
-        >>> ck = graphckpt.checkpoint_model(model)
+        >>> ck = graphckpt.checkpoint_model(model, budget="2GiB", batch_size=64)
         >>> ck.compile(optimizer="adam", loss="mse")
         >>> ck.fit(x, y)   # trains `model`'s own weights
     """
-    graph, the_plan = _planned(model, segments)
+    graph, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy)
+    if unchanged is None and not any(s.remat for s in the_plan.segments):
+        unchanged = "the plan recomputes no layer call"
+    if unchanged:
+        warnings.warn(f"Model '{model.name}' returned unchanged: {unchanged}.", stacklevel=2)
+        return model
     if the_plan.num_layer_calls < 2:
         warnings.warn(
             f"Model '{model.name}' has {the_plan.num_layer_calls} layer "

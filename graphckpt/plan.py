@@ -364,14 +364,6 @@ class NodeCosts:
     fixed: int = 0
     per_example: bool = False
 
-    def kept(self, node, graph):
-        """Bytes `node` keeps for backward when it runs as it is: its
-        internal buffers and those of its outputs that are saved."""
-        outs = graph.graph.get("_produced", {}).get(node)
-        if outs is None:
-            outs = [k for k, info in graph.graph["tensors"].items() if info.producer == node]
-        return self.internal.get(node, 0) + sum(self.tensor_bytes[t] for t in outs if t in self.saved)
-
 
 @dataclasses.dataclass(frozen=True)
 class SegmentPeak:

@@ -1,0 +1,197 @@
+"""Choosing a plan: segment counts, memory budgets and recompute policies.
+
+`choose_plan` is what `graphckpt.plan` and `graphckpt.checkpoint_model`
+run: it checks `segments` / `budget` / `batch_size` / `policy` together,
+estimates per-call costs (`graphckpt.estimate`) and asks the pure planner
+(`graphckpt.plan`) for the plan. Every plan it returns carries its
+estimated peak and the baseline's.
+"""
+
+import dataclasses
+import math
+import numbers
+import re
+
+from graphckpt import errors, policies
+from graphckpt.estimate import node_costs, resolve_batch_size
+from graphckpt.plan import (
+    BudgetInfeasible,
+    baseline_peak,
+    estimated_peak,
+    plan_for_budget,
+    plan_from_boundaries,
+    plan_segments,
+    smallest_peak,
+    topological_order,
+)
+
+__all__ = ["parse_budget", "choose_plan", "format_bytes", "BUDGET_FORMS"]
+
+BUDGET_FORMS = (
+    "an int number of bytes (e.g. 2_000_000_000), a string with a unit "
+    "('512MiB', '2GiB', '2GB', '1.5 GB', '800 KB'), or a float in (0, 1): a "
+    "fraction of the estimated baseline peak (e.g. 0.3)"
+)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BUDGET_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def format_bytes(n):
+    """`1536` -> `'1.5 KiB'`."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _bad_budget(budget, why=""):
+    return errors.InvalidArgumentError(
+        f"Invalid `budget`{why}. Received: budget={budget!r}. Accepted: {BUDGET_FORMS}. "
+        "Tip: `graphckpt.plan(model, batch_size=...)` shows the estimated baseline peak."
+    )
+
+
+def parse_budget(budget):
+    """A `budget` argument -> `("bytes", int)` or `("fraction", float)`.
+
+    Raises:
+        graphckpt.InvalidArgumentError: not one of the accepted forms, or not
+            positive.
+
+    Example:
+        >>> parse_budget("1.5 GiB"), parse_budget(0.3)
+        (('bytes', 1610612736), ('fraction', 0.3))
+    """
+    if isinstance(budget, bool) or budget is None:
+        raise _bad_budget(budget)
+    if isinstance(budget, numbers.Integral):
+        if budget <= 0:
+            raise _bad_budget(budget, ": it must be positive")
+        return "bytes", int(budget)
+    if isinstance(budget, numbers.Real):
+        value = float(budget)
+        if not (0.0 < value < 1.0):
+            raise _bad_budget(budget, ": a float is a fraction of the baseline, in (0, 1); pass bytes as an int")
+        return "fraction", value
+    if isinstance(budget, str):
+        match = _BUDGET_RE.match(budget)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise _bad_budget(budget, ": not a number of bytes with a known unit")
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        if not math.isfinite(value) or value < 1:
+            raise _bad_budget(budget, ": it must be at least 1 byte")
+        return "bytes", int(value)
+    raise _bad_budget(budget)
+
+
+def _with_estimates(plan, graph, costs, batch_size, **extra):
+    return dataclasses.replace(
+        plan,
+        estimated_peak_bytes=estimated_peak(graph, plan, costs),
+        baseline_peak_bytes=baseline_peak(graph, costs),
+        batch_size=batch_size,
+        **extra,
+    )
+
+
+def _kept_plan(graph, strategy):
+    """The plan that changes nothing: one segment, not recomputed."""
+    order = topological_order(graph)
+    return plan_from_boundaries(graph, order, [0], strategy=strategy, remat=[False])
+
+
+def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=None):
+    """Plans `graph` for the arguments of `graphckpt.plan`.
+
+    Returns:
+        `(plan, unchanged)`: `unchanged` is None, or a sentence saying why
+        the model is best left as it is (the budget is at or above its
+        estimated peak).
+
+    Raises:
+        graphckpt.InvalidArgumentError: bad or conflicting arguments.
+        graphckpt.InfeasibleBudgetError: no plan's estimate fits `budget`.
+    """
+    explicit_segments = segments != "sqrt"
+    if budget is not None and explicit_segments:
+        raise errors.InvalidArgumentError(
+            f"`segments` and `budget` are two ways to choose a plan; pass one. Received: "
+            f"segments={segments!r}, budget={budget!r}. Tip: drop `segments` to let the "
+            "budget decide where to cut."
+        )
+    if policy is not None and explicit_segments:
+        raise errors.InvalidArgumentError(
+            f"`policy` chooses which calls are recomputed, so it can't be combined with a "
+            f"segment count. Received: segments={segments!r}, policy={policy!r}. Tip: use "
+            "`policy` alone, or with `budget`."
+        )
+    try:
+        batch_size = resolve_batch_size(graph, batch_size)
+    except ValueError as e:
+        raise errors.InvalidArgumentError(f"{e}. Tip: pass the batch size you train with.") from None
+    try:
+        policy_name, policy_fn = policies.resolve(policy)
+    except ValueError as e:
+        raise errors.InvalidArgumentError(str(e)) from None
+    costs = node_costs(graph, batch_size)
+    if budget is None and policy is None:
+        try:
+            the_plan = plan_segments(graph, segments=segments)
+        except ValueError as e:
+            raise errors.InvalidArgumentError(
+                f"{e}. Accepted: 'sqrt' (the default), or an int from 1 to the number of layer calls."
+            ) from None
+        return _with_estimates(the_plan, graph, costs, batch_size), None
+    keep = ()
+    if policy_fn is not None:
+        keep = tuple(n for n in topological_order(graph) if policy_fn(graph.nodes[n]["layer"]))
+    baseline = baseline_peak(graph, costs)
+    per = "" if batch_size is not None else " per example"
+    if budget is None:
+        # Policy alone: the smallest estimated peak that recomputes none of
+        # the saved calls, with the least recompute among such plans.
+        target = smallest_peak(graph, costs, keep=keep)
+        budget_bytes, strategy = None, "policy"
+    else:
+        kind, value = parse_budget(budget)
+        if kind == "bytes" and batch_size is None:
+            raise errors.InvalidArgumentError(
+                f"A budget in bytes (budget={budget!r}) needs the batch size, and the model's "
+                "batch dimension is not fixed. Tip: pass `batch_size=`, or give the budget as a "
+                "fraction of the baseline, e.g. budget=0.4."
+            )
+        budget_bytes = value if kind == "bytes" else int(value * baseline)
+        target, strategy = budget_bytes, "budget"
+        if budget_bytes >= baseline:
+            unchanged = (
+                f"the budget ({format_bytes(budget_bytes)}{per}) is at or above the estimated "
+                f"peak of the model without checkpointing ({format_bytes(baseline)}{per}), so "
+                "checkpointing would only add recompute"
+            )
+            kept = _kept_plan(graph, strategy)
+            return _with_estimates(kept, graph, costs, batch_size, budget_bytes=budget_bytes, policy=policy_name), unchanged
+    try:
+        the_plan = plan_for_budget(graph, costs, target, keep=keep, strategy=strategy)
+    except BudgetInfeasible as e:
+        what = " with policy " + repr(policy_name) if policy_name else ""
+        raise errors.InfeasibleBudgetError(
+            f"No plan{what} fits budget={budget!r} ({format_bytes(e.budget_bytes)}{per}): the "
+            f"smallest achievable estimated peak is {format_bytes(e.smallest_bytes)}{per} "
+            f"({e.smallest_bytes} bytes, {e.smallest_bytes / baseline:.0%} of the estimated "
+            f"baseline {format_bytes(baseline)}). Tip: raise the budget to at least that, or "
+            "lower the batch size."
+        ) from None
+    return dataclasses.replace(the_plan, batch_size=batch_size, budget_bytes=budget_bytes, policy=policy_name), None

@@ -1,0 +1,592 @@
+"""Estimated training-step memory of a Keras model, with or without a plan.
+
+Contract:
+- From static shapes and dtypes only: nothing is run. Each layer call gets a
+  rule (`CallEstimate.rule`) saying what its backward pass needs kept:
+  which of its input and output tensors, and which internal buffers
+  (pre-activations of fused activations, dropout masks, attention scores,
+  normalization intermediates). Rules follow what TensorFlow's gradient
+  functions read, and were checked with per-layer probes against measured
+  peaks (see `docs/estimator.md`). Unknown layers get a conservative rule
+  (inputs and outputs kept, plus one output-sized buffer) and are listed in
+  `MemoryEstimate.unknown_layers`.
+- The peak itself comes from the planner's memory model
+  (`graphckpt.plan.segment_peaks`): during the backward pass, for each
+  segment in reverse order, the boundary tensors held for the earlier
+  segments plus the segment's own recompute peak. The baseline is the plan
+  with one segment that is not recomputed. The estimate and the budget
+  planner use the same numbers, so a budget plan's estimate is the planner's.
+- The figure is the peak training-step memory *above the resident state*
+  (weights, optimizer slots, the batch), as `graphckpt.measure` reports it.
+- Batch size: the `batch_size` argument, else the model's fixed batch
+  dimension, else none: the estimate is then **per example**, activation
+  memory only (parameter-sized gradient buffers left out), which scales
+  linearly with the batch.
+
+All results are frozen dataclasses of plain values.
+"""
+
+import dataclasses
+import math
+
+import keras
+
+from graphckpt.graph import build_graph, functional_of, tensor_key
+from graphckpt.plan import (
+    NodeCosts,
+    Plan,
+    baseline_peak,
+    segment_peaks,
+    smallest_peak,
+    topological_order,
+)
+
+__all__ = [
+    "CallEstimate",
+    "MemoryEstimate",
+    "estimate",
+    "node_costs",
+    "call_estimates",
+    "resolve_batch_size",
+    "is_expensive",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class CallEstimate:
+    """What one layer call costs, for the batch of the estimate.
+
+    Attributes:
+        node: the call's graph key `(layer_name, node_index)`.
+        class_name: the layer's class.
+        kept_bytes: bytes it keeps for backward when run as it is (its
+            internal buffers and those of its outputs that are kept).
+        workspace_bytes: transient bytes of its backward step.
+        flops: forward floating-point operations (multiply-adds count 2).
+        expensive: matmul-like (Dense, convolutions, attention, RNNs): what
+            the `save_expensive` policy never recomputes.
+        rule: the name of the rule used; `"unknown"` for a guess.
+    """
+
+    node: tuple
+    class_name: str
+    kept_bytes: int
+    workspace_bytes: int
+    flops: float
+    expensive: bool
+    rule: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak training-step activation memory of a model and plan.
+
+    Attributes:
+        batch_size: the batch size, or None for a per-example estimate.
+        baseline_peak_bytes: the original model's estimated peak.
+        peak_bytes: the plan's estimated peak (the baseline's without one).
+        smallest_peak_bytes: the smallest estimated peak any plan reaches.
+        fixed_bytes: the part every plan pays (loss and output gradients).
+        segments: one `graphckpt.plan.SegmentPeak` per plan segment: bytes
+            held before it, bytes it holds, its recompute peak and its peak.
+        calls: one `CallEstimate` per layer call, in the planner's order.
+        forward_flops: the model's forward cost.
+        recompute_flops: the forward cost the plan recomputes.
+        unknown_layers: classes estimated by the conservative fallback.
+    """
+
+    batch_size: int | None
+    baseline_peak_bytes: int
+    peak_bytes: int
+    smallest_peak_bytes: int
+    fixed_bytes: int
+    segments: tuple
+    calls: tuple
+    forward_flops: float
+    recompute_flops: float
+    unknown_layers: tuple
+
+    @property
+    def ratio(self):
+        """Estimated peak / estimated baseline peak."""
+        return self.peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else 1.0
+
+
+# ------------------------------------------------------------------ rules
+
+# Activations whose TensorFlow gradient reads the activation's output.
+_SAVES_OUTPUT = {"relu", "relu6", "tanh", "sigmoid", "softmax", "log_softmax", "elu", "selu", "exponential"}
+# Activations whose gradient reads the input, with the number of
+# input-sized buffers kept (gelu's erf form keeps two temporaries besides
+# its input; probed: Dense(gelu) keeps 3 tensors of its output's size).
+_SAVES_INPUT = {
+    "softplus": 1,
+    "softsign": 1,
+    "leaky_relu": 1,
+    "silu": 1,
+    "swish": 1,
+    "hard_silu": 1,
+    "hard_swish": 1,
+    "hard_sigmoid": 1,
+    "log_sigmoid": 1,
+    "celu": 2,
+    "mish": 3,
+    "gelu": 3,
+}
+_NO_SAVE_ACTIVATIONS = {"linear", None}
+
+_MATMUL = (
+    "Dense",
+    "EinsumDense",
+    "Conv1D",
+    "Conv2D",
+    "Conv3D",
+    "Conv1DTranspose",
+    "Conv2DTranspose",
+    "Conv3DTranspose",
+    "DepthwiseConv1D",
+    "DepthwiseConv2D",
+    "SeparableConv1D",
+    "SeparableConv2D",
+)
+_ATTENTION = ("MultiHeadAttention", "GroupedQueryAttention", "GroupQueryAttention")
+_DOT_ATTENTION = ("Attention", "AdditiveAttention")
+_RNN = {"LSTM": 7, "GRU": 5, "SimpleRNN": 2, "ConvLSTM1D": 7, "ConvLSTM2D": 7, "ConvLSTM3D": 7}
+_FREE = {
+    # Gradients that need only shapes: nothing kept.
+    "InputLayer",
+    "Add",
+    "Subtract",
+    "Average",
+    "Concatenate",
+    "Reshape",
+    "Flatten",
+    "Permute",
+    "RepeatVector",
+    "Identity",
+    "ZeroPadding1D",
+    "ZeroPadding2D",
+    "ZeroPadding3D",
+    "Cropping1D",
+    "Cropping2D",
+    "Cropping3D",
+    "UpSampling1D",
+    "UpSampling2D",
+    "UpSampling3D",
+    "AveragePooling1D",
+    "AveragePooling2D",
+    "AveragePooling3D",
+    "GlobalAveragePooling1D",
+    "GlobalAveragePooling2D",
+    "GlobalAveragePooling3D",
+    "GaussianNoise",
+    "Rescaling",
+    "Resizing",
+    "CenterCrop",
+    "Embedding",
+    "Masking",
+    "ActivityRegularization",
+    "Cast",
+}
+_SAVE_INPUTS = {"Multiply", "Maximum", "Minimum", "Dot", "PReLU", "LeakyReLU", "Normalization"}
+_SAVE_IN_AND_OUT = {
+    "MaxPooling1D",
+    "MaxPooling2D",
+    "MaxPooling3D",
+    "GlobalMaxPooling1D",
+    "GlobalMaxPooling2D",
+    "GlobalMaxPooling3D",
+}
+# Keras ops used in a functional graph (keras.ops.*), by class name.
+_OP_MATMUL = {"Matmul", "Einsum", "Tensordot", "Dot"}
+_OP_FREE = {
+    "Add",
+    "Subtract",
+    "Reshape",
+    "Transpose",
+    "ExpandDims",
+    "Squeeze",
+    "Concatenate",
+    "Cast",
+    "NotEqual",
+    "Equal",
+    "Greater",
+    "Less",
+    "Any",
+    "All",
+    "Mean",
+    "Sum",
+    "Negative",
+    "GetItem",
+    "Slice",
+    "StopGradient",
+    "ZerosLike",
+    "OnesLike",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """Per-example facts about one call (bytes are per example)."""
+
+    saved_inputs: frozenset = frozenset()
+    saved_outputs: frozenset = frozenset()
+    internal: float = 0.0
+    flops: float = 0.0
+    expensive: bool = False
+    name: str = "free"
+
+
+def _elems(info):
+    return math.prod(d if d is not None else 1 for d in info.shape[1:])
+
+
+def _itemsize(info):
+    n = _elems(info)
+    return info.nbytes / n if n else 4
+
+
+def _activation_name(layer):
+    act = getattr(layer, "activation", None)
+    if act is None:
+        return None
+    name = getattr(act, "__name__", None) or type(act).__name__
+    return name.lower()
+
+
+def _activation_rule(name, out_index=0, out_bytes=0):
+    """(saved outputs, internal bytes, rule suffix) for a fused activation."""
+    if name in _NO_SAVE_ACTIVATIONS:
+        return frozenset(), 0.0, ""
+    if name in _SAVES_OUTPUT:
+        return frozenset({out_index}), 0.0, f"+{name}"
+    if name in _SAVES_INPUT:
+        return frozenset(), _SAVES_INPUT[name] * out_bytes, f"+{name}"
+    return frozenset({out_index}), out_bytes, f"+{name}?"
+
+
+def _kernel_flops(layer, outs, ins):
+    """2 x multiply-adds of a kernel layer: each output element needs
+    (kernel size / output features) multiply-adds."""
+    kernel = getattr(layer, "kernel", None)
+    if kernel is None or not outs:
+        return 2.0 * sum(_elems(o) for o in outs)
+    kshape = tuple(kernel.shape)
+    out_elems = _elems(outs[0])
+    cls = type(layer).__name__
+    if cls == "EinsumDense":
+        eq = layer.equation.replace(" ", "")
+        lhs, out_sub = eq.split("->")
+        k_sub = lhs.split(",")[1]
+        shared = math.prod(d for c, d in zip(k_sub, kshape) if c in out_sub)
+        per_out = math.prod(kshape) / max(shared, 1)
+    elif cls.endswith("Transpose"):
+        # Each input element scatters into kernel_size x out_channels outputs.
+        return 2.0 * _elems(ins[0]) * math.prod(kshape[:-1]) if ins else 0.0
+    elif cls.startswith("Depthwise"):
+        per_out = math.prod(kshape[:-2])
+    else:
+        per_out = math.prod(kshape[:-1])
+    flops = 2.0 * out_elems * per_out
+    if cls.startswith("Separable"):
+        pointwise = getattr(layer, "pointwise_kernel", None)
+        if pointwise is not None:
+            flops += 2.0 * out_elems * math.prod(tuple(pointwise.shape)[:-1])
+    return flops
+
+
+def _attention_rule(layer, ins, outs):
+    """MultiHeadAttention: the q/k/v projections keep their inputs; inside,
+    about three projection-sized buffers (q, k, v) and 2.2 score-sized
+    buffers (heads x T x S: the softmax output and its neighbours) are kept.
+    Fitted on probes over T, E and dropout (docs/estimator.md); dropout
+    made no measurable difference."""
+    query = ins[0]
+    value = ins[1] if len(ins) > 1 else ins[0]
+    item = _itemsize(query)
+    heads = getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", 1)
+    key_dim = getattr(layer, "key_dim", None) or getattr(layer, "_key_dim", 1)
+    value_dim = getattr(layer, "value_dim", None) or getattr(layer, "_value_dim", None) or key_dim
+    t = math.prod(d or 1 for d in query.shape[1:-1])
+    s = math.prod(d or 1 for d in value.shape[1:-1])
+    e_q, e_v = query.shape[-1] or 1, value.shape[-1] or 1
+    e_out = outs[0].shape[-1] or 1 if outs else e_q
+    q, k, v, a = t * heads * key_dim, s * heads * key_dim, s * heads * value_dim, t * heads * value_dim
+    scores = heads * t * s
+    internal = (q + k + v) * item + _MHA_SCORE_BUFFERS * scores * item
+    flops = 2.0 * (q * e_q + k * e_v + v * e_v + a * e_out) + 2.0 * scores * (key_dim + value_dim)
+    saved = frozenset(range(min(len(ins), 3)))
+    return _Rule(saved_inputs=saved, internal=internal, flops=flops, expensive=True, name="attention")
+
+
+# Score-sized buffers kept per MultiHeadAttention call (probed; see
+# docs/estimator.md).
+_MHA_SCORE_BUFFERS = 2.2
+
+
+def _nested_rule(layer, ins, outs, batch_size):
+    """A nested functional model or Sequential: the sum of its own calls."""
+    graph = build_graph(layer)
+    costs, calls = _costs(graph, None)
+    inner_inputs = graph.graph["inputs"]
+    inner_outputs = graph.graph["outputs"]
+    saved_in = frozenset(i for i, k in enumerate(inner_inputs) if k in costs.saved)
+    saved_out = frozenset(i for i, k in enumerate(inner_outputs) if k in costs.saved)
+    internal = sum(c.kept_bytes for c in calls) - sum(
+        costs.tensor_bytes[k] for k in set(inner_outputs) if k in costs.saved
+    )
+    return _Rule(
+        saved_inputs=saved_in,
+        saved_outputs=saved_out,
+        internal=internal,
+        flops=sum(c.flops for c in calls),
+        expensive=any(c.expensive for c in calls),
+        name="nested model",
+    )
+
+
+def _rule(layer, ins, outs):
+    """The per-example rule of one call: `ins`/`outs` are its TensorInfos."""
+    cls = type(layer).__name__
+    out_bytes = sum(o.nbytes for o in outs)
+    out_elems = sum(_elems(o) for o in outs)
+    all_in = frozenset(range(len(ins)))
+    all_out = frozenset(range(len(outs)))
+    if isinstance(layer, keras.Model):
+        return _nested_rule(layer, ins, outs, None)
+    if not isinstance(layer, keras.layers.Layer):  # a keras.ops operation
+        if cls in _OP_MATMUL:
+            return _Rule(saved_inputs=all_in, flops=2.0 * out_elems * (ins[0].shape[-1] or 1), expensive=True, name="op matmul")
+        if cls in _OP_FREE:
+            return _Rule(flops=out_elems, name="op free")
+        act = cls.lower()
+        if act in _SAVES_OUTPUT or act in _SAVES_INPUT:
+            saved_out, internal, _ = _activation_rule(act, 0, out_bytes)
+            saved_in = all_in if act in _SAVES_INPUT else frozenset()
+            return _Rule(saved_in, saved_out, max(0.0, internal - out_bytes), out_elems, name=f"op {act}")
+        return _Rule(all_in, all_out, out_bytes, out_elems, name="unknown")
+    if cls in _MATMUL:
+        saved_out, internal, suffix = _activation_rule(_activation_name(layer), 0, out_bytes)
+        return _Rule(all_in, saved_out, internal, _kernel_flops(layer, outs, ins), True, "matmul" + suffix)
+    if cls in _ATTENTION:
+        return _attention_rule(layer, ins, outs)
+    if cls in _DOT_ATTENTION:
+        q = _elems(ins[0])
+        v = _elems(ins[1]) if len(ins) > 1 else q
+        t, s = ins[0].shape[1] or 1, ins[1].shape[1] if len(ins) > 1 and ins[1].shape[1] else 1
+        scores = t * s
+        return _Rule(all_in, frozenset(), 2 * scores * _itemsize(ins[0]), 4.0 * scores * (q / t), True, "attention")
+    if cls in _RNN:
+        units = getattr(layer, "units", None) or getattr(getattr(layer, "cell", None), "units", 1)
+        steps = ins[0].shape[1] or 1
+        per_step = _RNN[cls] * units * _itemsize(ins[0])
+        feat = ins[0].shape[-1] or 1
+        gates = {"LSTM": 4, "GRU": 3}.get(cls, 1)
+        flops = 2.0 * steps * gates * units * (feat + units)
+        return _Rule(frozenset({0}), frozenset(), steps * per_step, flops, True, "rnn")
+    if cls == "Bidirectional":
+        inner = _rule(layer.forward_layer, ins, outs)
+        return dataclasses.replace(inner, internal=2 * inner.internal, flops=2 * inner.flops, name="rnn")
+    if cls == "TimeDistributed":
+        return dataclasses.replace(_rule(layer.layer, ins, outs), name="time distributed")
+    if cls in ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "AlphaDropout"):
+        if not getattr(layer, "rate", 0):
+            return _Rule(name="dropout off")
+        # A one-byte keep mask (of the noise shape for spatial dropout).
+        mask = out_elems
+        if cls.startswith("Spatial") and outs:
+            shape = outs[0].shape
+            mask = (shape[-1] or 1) if len(shape) > 2 else out_elems
+        if cls == "AlphaDropout":
+            return _Rule(internal=out_bytes, flops=3.0 * out_elems, name="alpha dropout")
+        return _Rule(internal=mask, flops=2.0 * out_elems, name="dropout")
+    if cls == "GaussianDropout":
+        return _Rule(internal=out_bytes if getattr(layer, "rate", 0) else 0.0, flops=2.0 * out_elems, name="dropout")
+    if cls in ("BatchNormalization",):
+        return _Rule(all_in, frozenset(), 0.0, 5.0 * out_elems, name="batch norm")
+    if cls in ("LayerNormalization", "GroupNormalization", "UnitNormalization", "RMSNormalization"):
+        return _Rule(all_in, frozenset(), out_bytes, 6.0 * out_elems, name="layer norm")
+    if cls in ("ReLU", "ELU", "Softmax"):
+        return _Rule(frozenset(), all_out, 0.0, out_elems, name=cls.lower())
+    if cls == "Activation":
+        name = _activation_name(layer)
+        saved_out, internal, suffix = _activation_rule(name, 0, out_bytes)
+        saved_in = all_in if name in _SAVES_INPUT else frozenset()
+        internal = max(0.0, internal - out_bytes) if name in _SAVES_INPUT else internal
+        return _Rule(saved_in, saved_out, internal, 4.0 * out_elems, name="activation" + suffix)
+    if cls in _FREE:
+        return _Rule(flops=out_elems, name="free")
+    if cls in _SAVE_INPUTS:
+        return _Rule(all_in, frozenset(), 0.0, out_elems, name="saves inputs")
+    if cls in _SAVE_IN_AND_OUT:
+        return _Rule(all_in, all_out, 0.0, sum(_elems(i) for i in ins), name="max pooling")
+    return _Rule(all_in, all_out, out_bytes, out_elems, name="unknown")
+
+
+def is_expensive(layer):
+    """True for matmul-like layers: Dense, EinsumDense, convolutions,
+    attention, recurrent layers (and nested models holding any)."""
+    cls = type(layer).__name__
+    if isinstance(layer, keras.Model):
+        return any(is_expensive(inner) for inner in layer.layers)
+    if cls in ("Bidirectional", "TimeDistributed"):
+        inner = getattr(layer, "forward_layer", None) or getattr(layer, "layer", None)
+        return is_expensive(inner)
+    if not isinstance(layer, keras.layers.Layer):
+        return cls in _OP_MATMUL
+    return cls in _MATMUL or cls in _ATTENTION or cls in _DOT_ATTENTION or cls in _RNN
+
+
+# ------------------------------------------------------------------ costs
+
+# Transient bytes of a call's backward step, as multiples of its (float)
+# input and output bytes; parameter gradients are added whole. Calibrated
+# against measured peaks (docs/estimator.md).
+_WORKSPACE_IO = 1.0
+# Bytes every plan pays, as multiples of the model outputs' bytes (the
+# prediction, its error and its gradient in the loss).
+_FIXED_OUTPUTS = 3.0
+
+
+def _param_bytes(layer):
+    return sum(math.prod(v.shape) * _var_itemsize(v) for v in getattr(layer, "trainable_weights", ()))
+
+
+def _var_itemsize(v):
+    dtype = keras.backend.standardize_dtype(v.dtype)
+    return max(int("".join(c for c in dtype if c.isdigit()) or 32) // 8, 1)
+
+
+def _is_float(info):
+    return "float" in info.dtype
+
+
+def _costs(graph, batch_size):
+    """(`NodeCosts`, CallEstimates) for `graph`; per example when
+    `batch_size` is None (parameter gradients left out then)."""
+    tensors = graph.graph["tensors"]
+    scale = batch_size or 1
+    tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
+    saved, internal, workspace, compute, rules = set(), {}, {}, {}, {}
+    for key in topological_order(graph):
+        data = graph.nodes[key]
+        node = data["node"]
+        ins = [tensors[tensor_key(t)] for t in node.input_tensors]
+        outs = [tensors[tensor_key(t)] for t in node.outputs]
+        rule = _rule(data["layer"], ins, outs)
+        rules[key] = rule
+        saved.update(ins[i].key for i in rule.saved_inputs if i < len(ins) and _is_float(ins[i]))
+        saved.update(outs[i].key for i in rule.saved_outputs if i < len(outs))
+        internal[key] = int(rule.internal * scale)
+        io = sum(i.nbytes for i in ins if _is_float(i)) + sum(o.nbytes for o in outs)
+        workspace[key] = int(_WORKSPACE_IO * io * scale) + (0 if batch_size is None else _param_bytes(data["layer"]))
+        compute[key] = rule.flops * scale
+    out_bytes = sum(tensor_bytes[k] for k in graph.graph["outputs"])
+    costs = NodeCosts(
+        tensor_bytes=tensor_bytes,
+        saved=frozenset(saved),
+        internal=internal,
+        workspace=workspace,
+        compute=compute,
+        fixed=int(_FIXED_OUTPUTS * out_bytes),
+        per_example=batch_size is None,
+    )
+    calls = []
+    for key, rule in rules.items():
+        made = [t for t in graph.graph["tensors"].values() if t.producer == key]
+        kept = internal[key] + sum(tensor_bytes[t.key] for t in made if t.key in costs.saved)
+        calls.append(
+            CallEstimate(
+                node=key,
+                class_name=graph.nodes[key]["class_name"],
+                kept_bytes=int(kept),
+                workspace_bytes=workspace[key],
+                flops=compute[key],
+                expensive=rule.expensive,
+                rule=rule.name,
+            )
+        )
+    return costs, tuple(calls)
+
+
+def resolve_batch_size(model_or_graph, batch_size=None):
+    """`batch_size` if given, else the model's fixed batch dimension, else None.
+
+    Raises:
+        ValueError: `batch_size` is not a positive int (or None).
+    """
+    if batch_size is not None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive int or None. Received: batch_size={batch_size!r}")
+        return batch_size
+    graph = model_or_graph if hasattr(model_or_graph, "graph") and hasattr(model_or_graph, "nodes") else None
+    if graph is None:
+        fn = functional_of(model_or_graph)
+        dims = {t.shape[0] for t in fn.inputs}
+    else:
+        dims = {graph.graph["tensors"][k].shape[0] for k in graph.graph["inputs"]}
+    dims.discard(None)
+    return dims.pop() if len(dims) == 1 else None
+
+
+def node_costs(graph, batch_size=None):
+    """The per-call costs the planner consumes, at `batch_size`.
+
+    Args:
+        graph: a layer-call graph from `graphckpt.graph.build_graph`.
+        batch_size: examples per step, or None for per-example bytes.
+
+    Returns:
+        A `graphckpt.plan.NodeCosts`.
+    """
+    return _costs(graph, batch_size)[0]
+
+
+def call_estimates(graph, batch_size=None):
+    """One `CallEstimate` per layer call of `graph`, in the planner's order."""
+    return _costs(graph, batch_size)[1]
+
+
+def estimate(model, plan=None, *, batch_size=None, graph=None):
+    """Estimates peak training-step activation memory, with or without a plan.
+
+    Args:
+        model: a built functional `keras.Model` or `keras.Sequential`.
+        plan: a `graphckpt.Plan` for `model` (from `graphckpt.plan(...)`),
+            or None for the model as it is.
+        batch_size: examples per step; default the model's fixed batch
+            size, else a per-example estimate.
+        graph: the model's layer-call graph, if already built.
+
+    Returns:
+        A `MemoryEstimate`.
+
+    Example:
+        >>> e = estimate(model, graphckpt.plan(model), batch_size=32)
+        >>> e.peak_bytes / e.baseline_peak_bytes
+    """
+    graph = graph if graph is not None else build_graph(model)
+    batch_size = resolve_batch_size(graph, batch_size)
+    costs, calls = _costs(graph, batch_size)
+    baseline = baseline_peak(graph, costs)
+    if plan is None:
+        segments, peak, recompute = (), baseline, 0.0
+    else:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"`plan` must be a graphckpt.Plan or None. Received: plan={plan!r}")
+        segments = segment_peaks(graph, plan, costs)
+        peak = max(s.peak_bytes for s in segments)
+        recompute = sum(s.recompute_cost for s in segments)
+    by_node = {c.node: c for c in calls}
+    return MemoryEstimate(
+        batch_size=batch_size,
+        baseline_peak_bytes=baseline,
+        peak_bytes=peak,
+        smallest_peak_bytes=smallest_peak(graph, costs),
+        fixed_bytes=costs.fixed,
+        segments=segments,
+        calls=tuple(by_node[n] for n in topological_order(graph)),
+        forward_flops=sum(c.flops for c in calls),
+        recompute_flops=recompute,
+        unknown_layers=tuple(sorted({c.class_name for c in calls if c.rule == "unknown"})),
+    )

@@ -1,0 +1,76 @@
+"""Recompute policies: which layer calls are never recomputed.
+
+A policy is a small named callable `policy(layer) -> bool`: true means the
+call's activations are kept, as in the original model, and the call is not
+recomputed. The planner then checkpoints only the calls between them: with
+no budget, it takes the plan of smallest estimated peak that recomputes none
+of the saved calls; with a budget, the plan of least recompute that fits.
+
+The cut stays exact: saved calls run inline, unchanged, and every other run
+of calls is an exact `graphckpt.Segment`. Granularity is the Keras layer: a
+`MultiHeadAttention` layer is saved (or recomputed) as a whole.
+
+This is the Keras analogue of JAX's `jax.checkpoint_policies`
+(`checkpoint_dots`, `save_only_these_names`).
+
+Example:
+    >>> graphckpt.checkpoint_model(model, policy="save_expensive")
+    >>> graphckpt.checkpoint_model(model, policy=graphckpt.policies.save_these_layers("conv1", "conv2"))
+"""
+
+import dataclasses
+
+__all__ = ["save_expensive", "save_these_layers", "resolve", "NAMED"]
+
+
+def save_expensive(layer):
+    """Keeps matmul-like calls (Dense, EinsumDense, convolutions, attention,
+    recurrent layers, nested models holding any); recomputes the cheap ones
+    between them (activations, normalization, dropout, pooling, elementwise)."""
+    from graphckpt.estimate import is_expensive
+
+    return is_expensive(layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class save_these_layers:  # noqa: N801 - named like a function, as JAX's policies
+    """Keeps the calls of the layers named (or of the classes named) here.
+
+    Example:
+        >>> policy = save_these_layers("stem_conv", "Conv2D")
+    """
+
+    names: tuple
+
+    def __init__(self, *names):
+        object.__setattr__(self, "names", tuple(names))
+
+    def __call__(self, layer):
+        return layer.name in self.names or type(layer).__name__ in self.names
+
+
+NAMED = {"save_expensive": save_expensive}
+
+
+def resolve(policy):
+    """A policy argument -> (name, callable), or (None, None) for no policy.
+
+    Raises:
+        ValueError: `policy` is neither a known name nor a callable.
+    """
+    if policy is None:
+        return None, None
+    if isinstance(policy, str):
+        if policy not in NAMED:
+            raise ValueError(
+                f"Unknown `policy`. Received: policy={policy!r}. Accepted: "
+                f"{sorted(NAMED)}, a callable `policy(layer) -> bool`, or None"
+            )
+        return policy, NAMED[policy]
+    if callable(policy):
+        name = getattr(policy, "__name__", None) or repr(policy)
+        return name, policy
+    raise ValueError(
+        f"`policy` must be a name, a callable `policy(layer) -> bool`, or None. "
+        f"Received: policy={policy!r}. Accepted names: {sorted(NAMED)}"
+    )
