@@ -60,7 +60,7 @@ import traceback
 
 from graphckpt.errors import GraphckptError
 
-__all__ = ["Measurement", "Comparison", "MeasurementError", "measure", "compare", "format_bytes"]
+__all__ = ["Measurement", "Comparison", "MeasurementError", "measure", "compare", "format_bytes", "measure_backend"]
 
 _BUILTIN_METHODS = ("baseline", "graphckpt")
 _DEVICES = ("auto", "cpu", "gpu")
@@ -690,3 +690,246 @@ def _child_run(spec, info, phase):
         num_params=int(model.count_params()),
         info=info,
     )
+
+
+# --------------------------------------------------------------- JAX and PyTorch
+#
+# Kept apart from the TensorFlow path above. Memory figures come only from
+# counters that are reliable: the GPU allocators' own statistics. On the CPU,
+# neither JAX nor PyTorch has an allocator counter that cross-checked (JAX's
+# CPU client keeps no statistics; `compiled.memory_analysis()` gave
+# implausible sizes; PyTorch's CPU allocator has none, its profiler's memory
+# timeline did not balance, and process RSS was not reproducible step to
+# step), so there `peak_bytes` is None and `memory_method` says why; the step
+# time is still measured.
+
+_OTHER_BACKENDS = ("jax", "torch")
+
+
+def measure_backend(
+    builder,
+    *,
+    backend,
+    batch_size,
+    method="baseline",
+    builder_kwargs=None,
+    checkpoint_kwargs=None,
+    method_kwargs=None,
+    label=None,
+    steps=5,
+    warmup=2,
+    optimizer="sgd",
+    loss="mse",
+    device="auto",
+    seed=0,
+    timeout=600,
+    check=True,
+):
+    """`measure` under the JAX or PyTorch backend, in a fresh process.
+
+    Args:
+        backend: `"jax"` or `"torch"` (`"tensorflow"`: use `measure`).
+        device: `"auto"` (the backend's GPU if it sees one, else the CPU),
+            `"cpu"` or `"gpu"`.
+        The other arguments are `measure`'s.
+
+    Returns:
+        A `Measurement`. On a GPU, `peak_bytes` is the allocator's peak
+        during a training step minus the bytes in use before it: PyTorch's
+        `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`;
+        JAX's `device.memory_stats()["peak_bytes_in_use"]`, which cannot be
+        reset, so it is the process peak (the warm-up steps are the same
+        step) minus `bytes_in_use`. On the CPU `peak_bytes` is None.
+
+    Raises:
+        MeasurementError: the child failed and `check` is true.
+        ValueError: a bad `backend` or `device`.
+    """
+    if backend not in _OTHER_BACKENDS:
+        raise ValueError(
+            f"`backend` must be one of {_OTHER_BACKENDS}. Received: backend={backend!r}. "
+            "Tip: for TensorFlow, call `measure`."
+        )
+    if device not in _DEVICES:
+        raise ValueError(f"`device` must be one of {_DEVICES}. Received: device={device!r}")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}")
+    method_recipe = method if method in _BUILTIN_METHODS else _recipe(method, "method")
+    spec = {
+        "backend": backend,
+        "builder": _recipe(builder, "builder"),
+        "builder_kwargs": dict(builder_kwargs or {}),
+        "method": method_recipe,
+        "method_kwargs": dict(method_kwargs or {}),
+        "checkpoint_kwargs": dict(checkpoint_kwargs or {}),
+        "label": label or method_recipe,
+        "batch_size": batch_size,
+        "steps": steps,
+        "warmup": warmup,
+        "jit_compile": backend == "jax",
+        "optimizer": optimizer,
+        "loss": loss,
+        "device": device,
+        "seed": seed,
+    }
+    with tempfile.TemporaryDirectory(prefix="graphckpt-measure-") as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = _child_env(device)
+        env["KERAS_BACKEND"] = backend
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # JAX: allocate as needed
+        if device == "cpu":
+            env["JAX_PLATFORMS"] = "cpu"
+        code = "import sys; from graphckpt.measure import _backend_child_main as m; m(*sys.argv[1:])"
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", code, spec_path, out_path],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            if os.path.exists(out_path):
+                with open(out_path) as f:
+                    result = Measurement.from_dict(json.load(f))
+            else:
+                tail = " | ".join((proc.stderr or "").strip().splitlines()[-15:])
+                result = _failed(spec, "subprocess", f"ChildProcessError: exit status {proc.returncode}: {tail}")
+        except subprocess.TimeoutExpired:
+            result = _failed(spec, "timeout", f"TimeoutError: no result after {timeout} s")
+    if check and not result.ok:
+        raise MeasurementError(
+            f"Measuring {result.label!r} on {backend} failed in phase {result.phase!r}: {result.error}", result
+        )
+    return result
+
+
+def _backend_memory(backend, device):
+    """(reset, read_resident, read_peak, description) for the GPU counters;
+    None on the CPU, where no counter is reliable."""
+    if device == "cpu":
+        return None
+    if backend == "torch":
+        import torch
+
+        def sync():
+            torch.cuda.synchronize()
+
+        return (
+            lambda: (sync(), torch.cuda.reset_peak_memory_stats()),
+            lambda: (sync(), torch.cuda.memory_allocated())[1],
+            lambda: (sync(), torch.cuda.max_memory_allocated())[1],
+            "torch.cuda.max_memory_allocated() - memory_allocated() after reset_peak_memory_stats()",
+        )
+    import jax
+
+    gpu = jax.devices()[0]
+    return (
+        lambda: None,
+        lambda: gpu.memory_stats()["bytes_in_use"],
+        lambda: gpu.memory_stats()["peak_bytes_in_use"],
+        "jax device.memory_stats(): peak_bytes_in_use (process peak) - bytes_in_use before the step",
+    )
+
+
+def _backend_child_main(spec_path, out_path):
+    """The child of `measure_backend`: writes a `Measurement` as JSON."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    info = {k: spec[k] for k in ("backend", "builder_kwargs", "checkpoint_kwargs", "method_kwargs")}
+    phase = _Phase()
+    try:
+        with phase("setup"):
+            import platform
+
+            import keras
+            import numpy as np
+
+            import graphckpt
+            from graphckpt.segment import Segment
+
+            backend = keras.backend.backend()
+            if backend != spec["backend"]:
+                raise RuntimeError(f"KERAS_BACKEND is {backend}, expected {spec['backend']}")
+            if backend == "torch":
+                import torch
+
+                has_gpu, version = torch.cuda.is_available(), torch.__version__
+            else:
+                import jax
+
+                has_gpu, version = jax.default_backend() == "gpu", jax.__version__
+            if spec["device"] == "gpu" and not has_gpu:
+                raise RuntimeError(f"device='gpu' was asked for, but {backend} sees no GPU")
+            device = "gpu" if has_gpu and spec["device"] != "cpu" else "cpu"
+            info.update(
+                {
+                    backend: version,
+                    "keras": keras.__version__,
+                    "graphckpt": graphckpt.__version__,
+                    "python": platform.python_version(),
+                    "pid": os.getpid(),
+                }
+            )
+            counters = _backend_memory(backend, device)
+            keras.utils.set_random_seed(spec["seed"])
+        with phase("build"):
+            build = _build_model(spec)
+            model = build() if spec["method"] == "baseline" else None
+        with phase("transform"):
+            if model is None:
+                model = _transform(spec, build)
+        with phase("data"):
+            x, y = _random_batch(model, spec["batch_size"], spec["seed"])
+        with phase("compile"):
+            model.compile(optimizer=spec["optimizer"], loss=spec["loss"], jit_compile=spec["jit_compile"])
+        with phase("train"):
+            t0 = time.perf_counter()
+            model.train_on_batch(x, y)
+            first = time.perf_counter() - t0
+            for _ in range(spec["warmup"] - 1):
+                model.train_on_batch(x, y)
+            peaks, times, cpu, resident = [], [], [], None
+            for _ in range(spec["steps"]):
+                if counters:
+                    counters[0]()
+                    resident = counters[1]()
+                c0, t0 = time.process_time(), time.perf_counter()
+                logs = model.train_on_batch(x, y, return_dict=True)  # returns host floats: a sync
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+                if counters:
+                    peaks.append(int(counters[2]() - resident))
+            if not all(np.isfinite(float(v)) for v in logs.values()):
+                raise FloatingPointError(f"non-finite training logs: {logs}")
+        result = Measurement(
+            label=spec["label"],
+            method=spec["method"],
+            builder=spec["builder"],
+            ok=True,
+            device=f"{backend}:{device.upper()}:0",
+            memory_method=counters[3] if counters else f"none: {backend} has no reliable allocator counter on the CPU",
+            batch_size=spec["batch_size"],
+            steps=spec["steps"],
+            warmup=spec["warmup"],
+            jit_compile=spec["jit_compile"],
+            peak_bytes=max(peaks) if peaks else None,
+            step_peak_bytes=tuple(peaks),
+            resident_bytes=int(resident) if resident is not None else None,
+            step_time_s=statistics.median(times),
+            step_times_s=tuple(times),
+            first_step_s=first,
+            step_cpu_s=statistics.median(cpu),
+            model_name=model.name,
+            num_layers=len(model.layers),
+            num_segments=sum(isinstance(layer, Segment) for layer in model.layers),
+            num_params=int(model.count_params()),
+            info=info,
+        )
+    except _Failed as e:
+        result = _failed(spec, e.phase, e.error, info)
+    except BaseException as e:  # noqa: BLE001 - everything is reported
+        result = _failed(spec, phase.name, _describe(e), info)
+    with open(out_path, "w") as f:
+        json.dump(result.to_dict(), f)

@@ -1,0 +1,54 @@
+"""graphckpt.measure.measure_backend: JAX and PyTorch runs in a fresh
+process; memory figures only where a reliable counter exists (GPU)."""
+
+import os
+
+import pytest
+
+from graphckpt.measure import measure_backend
+from tests import measure_builders as mb
+
+CHAIN = {"depth": 8, "width": 64}
+FAST = {"steps": 2, "warmup": 1, "timeout": 300}
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_cpu_run_reports_time_and_says_memory_is_not_measured(backend):
+    m = measure_backend(
+        mb.chain, backend=backend, batch_size=32, method="graphckpt", builder_kwargs=CHAIN, device="cpu", **FAST
+    )
+    assert m.ok, m.error
+    assert m.device == f"{backend}:CPU:0" and m.info["backend"] == backend and m.info[backend]
+    assert m.peak_bytes is None and m.step_peak_bytes == () and m.memory_method.startswith("none:")
+    assert m.num_segments >= 2 and m.step_time_s > 0 and len(m.step_times_s) == 2
+    assert m.info["pid"] != os.getpid()
+
+
+def test_tensorflow_and_bad_devices_are_refused():
+    with pytest.raises(ValueError, match="backend=.*tensorflow.*Tip: for TensorFlow, call `measure`"):
+        measure_backend(mb.chain, backend="tensorflow", batch_size=2)
+    with pytest.raises(ValueError, match="device="):
+        measure_backend(mb.chain, backend="jax", batch_size=2, device="tpu")
+
+
+def test_a_failed_child_is_reported():
+    m = measure_backend(mb.broken, backend="torch", batch_size=2, check=False, builder_kwargs={"message": "kaput"}, **FAST)
+    assert not m.ok and m.phase == "build" and "kaput" in m.error
+
+
+def _torch_gpu():
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _torch_gpu(), reason="needs a CUDA GPU visible to PyTorch")
+def test_gpu_counter_sees_graphckpt_lower_the_peak():
+    kwargs = dict(backend="torch", batch_size=1024, builder_kwargs={"depth": 32, "width": 1024}, device="gpu", **FAST)
+    base = measure_backend(mb.chain, method="baseline", **kwargs)
+    ck = measure_backend(mb.chain, method="graphckpt", **kwargs)
+    assert base.peak_bytes > 32 * 1024 * 1024 * 4  # at least the 32 kept activations
+    assert ck.peak_bytes < base.peak_bytes
