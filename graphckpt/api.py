@@ -17,9 +17,21 @@ from graphckpt.segment import Segment
 __all__ = ["checkpoint_model", "plan", "is_checkpointed"]
 
 
+def _segment_holders(model):
+    """Names of `model`'s layers that are, or hold at any depth, a Segment."""
+    if not isinstance(model, keras.Model):
+        return []
+    return [
+        layer.name
+        for layer in model.layers
+        if any(isinstance(inner, Segment) for inner in layer._flatten_layers(include_self=True))
+    ]
+
+
 def is_checkpointed(model):
-    """True if `model` already contains graphckpt segments."""
-    return isinstance(model, keras.Model) and any(isinstance(layer, Segment) for layer in model.layers)
+    """True if `model` already contains graphckpt segments, also inside a
+    nested model (a checkpointed model used as a layer)."""
+    return bool(_segment_holders(model))
 
 
 def _check_model(model):
@@ -52,11 +64,15 @@ def _check_model(model):
 
 def _planned(model, segments, budget=None, batch_size=None, policy=None):
     _check_model(model)
-    if is_checkpointed(model):
+    holders = _segment_holders(model)
+    if holders:
+        # Rewriting it again would put Segments inside Segments: every
+        # recompute would recompute the inner ones once more.
         raise errors.UnsupportedModelError(
-            f"Model '{model.name}' is already checkpointed (it contains "
-            "graphckpt Segment layers). Tip: checkpoint the original model, "
-            "or use the checkpointed one as it is."
+            f"Model '{model.name}' is already checkpointed: its layer(s) "
+            f"{holders} are, or contain, graphckpt Segment layers. Tip: "
+            "checkpoint the original model (`graphckpt.uncheckpoint` gives "
+            "it back), or use the checkpointed one as it is."
         )
     graph = build_graph(model)
     the_plan, unchanged = choose_plan(graph, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
