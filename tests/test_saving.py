@@ -3,8 +3,6 @@
 segments, and it still trains with checkpointing."""
 
 import json
-import subprocess
-import sys
 import zipfile
 
 import keras
@@ -93,12 +91,13 @@ def test_a_layer_shared_across_segments_stays_one_layer(tmp_path):
 def test_the_loaded_model_trains_with_checkpointing(tmp_path):
     model = models.chain(dropout=0.3, bn=True)
     ck = graphckpt.checkpoint_model(model, segments=3)
-    ck.compile(optimizer="adam", loss="mse")
+    ck.compile(optimizer="adam", loss="mse", run_eagerly=True)
     x = np.random.default_rng(1).normal(size=(16, 16)).astype("float32")
     y = np.random.default_rng(2).normal(size=(16, 2)).astype("float32")
     ck.fit(x, y, batch_size=8, epochs=1, verbose=0)
     loaded, _ = save_and_load(ck, tmp_path)
     assert int(loaded.optimizer.iterations) == 2  # compile state and optimizer came back
+    assert loaded.run_eagerly
     assert_same(predict(loaded, x), predict(ck, x), rtol=1e-6)
 
     segments = [l for l in loaded.layers if isinstance(l, Segment)]
@@ -108,10 +107,12 @@ def test_the_loaded_model_trains_with_checkpointing(tmp_path):
     tape.gradient(out, loaded.trainable_variables)
     assert [s.forward_calls for s in segments] == [2, 2, 2]  # recomputed in backward
 
-    # Exact against its own plain model, then fit runs on it.
+    # Exact against its own plain model; `fit` recomputes every step.
     compare_step(graphckpt.uncheckpoint(loaded), loaded, x, graph=False)
-    history = loaded.fit(x, y, batch_size=8, epochs=2, verbose=0).history["loss"]
-    assert np.all(np.isfinite(history))
+    before = [s.forward_calls for s in segments]
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert [s.forward_calls - b for s, b in zip(segments, before)] == [4, 4, 4]  # 2 steps x (forward + recompute)
+    assert int(loaded.optimizer.iterations) == 4
 
 
 def test_layer_with_calls_outside_the_model(tmp_path):
@@ -142,30 +143,6 @@ def test_sequential_source(tmp_path):
     assert isinstance(graphckpt.uncheckpoint(loaded), keras.Sequential)
     x = np.ones((2, 8), "float32")
     assert_same(predict(loaded, x), predict(model, x), rtol=1e-6)
-
-
-def test_loads_in_a_fresh_process_with_no_custom_objects(tmp_path):
-    model = models.multi_io()
-    ck = graphckpt.checkpoint_model(model)
-    x = models.sample_inputs(model)
-    path = tmp_path / "ck.keras"
-    ck.save(path)
-    np.savez(tmp_path / "x.npz", **x)
-    np.savez(tmp_path / "y.npz", **predict(ck, x))
-    script = f"""
-import numpy as np, keras, graphckpt
-m = keras.saving.load_model({str(path)!r})
-x = dict(np.load({str(tmp_path / "x.npz")!r}))
-y = dict(np.load({str(tmp_path / "y.npz")!r}))
-out = m.predict(x, verbose=0)
-assert type(m).__name__ == "CheckpointedModel"
-for k in y:
-    np.testing.assert_allclose(out[k], y[k], rtol=1e-6)
-print("ok")
-"""
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().endswith("ok")
 
 
 def test_uncheckpoint(tmp_path):

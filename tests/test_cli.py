@@ -1,0 +1,275 @@
+"""The `graphckpt` command line: every command run as a real subprocess,
+renderers and error cases through `main(argv)` in this process."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import keras
+import pytest
+from keras import layers
+
+import graphckpt
+from graphckpt import cli
+from graphckpt.checkpointed import plan_to_config
+from graphckpt.graph import build_graph
+from tests import models
+
+ROOT = Path(__file__).resolve().parents[1]
+# TensorFlow's C++ start-up log lines: written to stderr while TensorFlow is
+# imported (by `import graphckpt`), whatever TF_CPP_MIN_LOG_LEVEL says.
+TF_STARTUP = re.compile(r"^(I0000 |W0000 |WARNING: All log messages before absl|To enable the following instructions)")
+
+
+@keras.saving.register_keras_serializable(package="graphckpt_tests")
+class TwoDense(keras.Model):
+    """A subclassed model the CLI can load but must refuse."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a = layers.Dense(4)
+        self.b = layers.Dense(1)
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    keras.utils.set_random_seed(0)
+    paths = {
+        "multi_io": d / "multi_io.keras",
+        "multi_io_ck": d / "multi_io_checkpointed.keras",
+        "nested": d / "nested.keras",
+        "chain": d / "chain.keras",
+        "checkpointed": d / "checkpointed.keras",
+        "subclassed": d / "subclassed.keras",
+        "text": d / "notes.keras",
+        "zip": d / "other.keras",
+        "dir": d,
+    }
+    multi_io = models.multi_io()
+    multi_io.save(paths["multi_io"])
+    graphckpt.checkpoint_model(multi_io).save(paths["multi_io_ck"])
+    models.nested().save(paths["nested"])
+    chain = models.chain(depth=8, width=8)
+    chain.save(paths["chain"])
+    graphckpt.checkpoint_model(chain, segments=3).save(paths["checkpointed"])
+    sub = TwoDense()
+    sub(keras.ops.ones((1, 3)))
+    sub.save(paths["subclassed"])
+    paths["text"].write_text("not a model")
+    with zipfile.ZipFile(paths["zip"], "w") as z:
+        z.writestr("hello.txt", "a zip, but no model in it")
+    return paths
+
+
+def _run(*argv, script=False):
+    """Starts the CLI in a fresh process: the console script or `-m`."""
+    exe = [str(Path(sys.executable).parent / "graphckpt")] if script else [sys.executable, "-m", "graphckpt"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
+    return subprocess.Popen(exe + [str(a) for a in argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(files, tmp_path_factory):
+    """All subprocesses start at once (each pays TensorFlow's import) and
+    tests wait for the one they check."""
+    out = tmp_path_factory.mktemp("cli_out")
+    procs = {
+        # A checkpointed file: this also proves it loads in a fresh process
+        # with no custom_objects (the CLI only imports graphckpt).
+        "inspect": _run("inspect", files["multi_io_ck"], "--format", "json", "--batch-size", 4, script=True),
+        "measure": _run("measure", files["chain"], "--batch-size", 8, "--steps", 1, "--segments", 2, "--json", out / "m.json"),
+        "demo": _run("demo", "--depth", 6, "--width", 16, "--batch-size", 8, "--steps", 1, script=True),
+        "missing": _run("inspect", out / "missing.keras", script=True),
+    }
+    results = {}
+
+    def result(name):
+        if name not in results:
+            stdout, stderr = procs[name].communicate(timeout=300)
+            results[name] = (procs[name].returncode, stdout, stderr)
+        return results[name]
+
+    result.out = out
+    yield result
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def _error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.strip() and not TF_STARTUP.match(line)]
+
+
+def check_coverage(info, model):
+    """Every layer named once, every layer call listed once."""
+    named = [name for seg in info["segments"] for name in seg["layers"]] + info["outside"]
+    assert sorted(named) == sorted(l.name for l in model.layers)
+    calls = [c for seg in info["segments"] for c in seg["calls"]]
+    assert len(calls) == len(set(calls)) == info["num_layer_calls"]
+    assert [seg["index"] for seg in info["segments"]] == list(range(len(info["segments"])))
+
+
+# ---------------------------------------------------------------- subprocesses
+
+
+def test_inspect_json_subprocess_names_every_layer_once(runs, files):
+    code, stdout, stderr = runs("inspect")
+    assert code == 0, stderr
+    info = json.loads(stdout)
+    model = keras.saving.load_model(files["multi_io"])
+    check_coverage(info, model)
+    ck = keras.saving.load_model(files["multi_io_ck"])
+    assert [s["calls"] for s in info["segments"]] == [
+        [n[0] + (f"#{k}" if k else "") for n, k in zip(seg.nodes, [c[1] for c in config])]
+        for seg, config in zip(ck.plan.segments, plan_to_config(build_graph(graphckpt.uncheckpoint(ck)), ck.plan)["segments"])
+    ]
+    assert sorted(info["outside"]) == ["a", "b"]
+    assert [c for s in info["segments"] for c in s["calls"] if c.startswith("shared")] == ["shared", "shared#1", "shared#2"]
+    assert info["batch_size"] == 4
+    first = info["segments"][0]
+    assert first["boundary"][0] == {"tensor": "shared", "shape": [None, 8], "dtype": "float32", "bytes": 4 * 8 * 4}
+    totals = info["totals"]
+    assert 0 < totals["plan_bytes"] < totals["baseline_bytes"]
+
+
+def test_measure_subprocess(runs):
+    code, stdout, stderr = runs("measure")
+    assert code == 0, stderr
+    assert "baseline" in stdout and "graphckpt" in stdout and "peak memory x" in stdout
+    data = json.loads((runs.out / "m.json").read_text())
+    (base,), (cand,) = data["baseline"], data["candidate"]
+    assert base["ok"] and cand["ok"]
+    assert (base["num_segments"], cand["num_segments"]) == (0, 2)
+    assert base["batch_size"] == cand["batch_size"] == 8
+    assert data["peak_ratio"] == pytest.approx(cand["peak_bytes"] / base["peak_bytes"])
+
+
+def test_demo_subprocess(runs):
+    code, stdout, stderr = runs("demo")
+    assert code == 0, stderr
+    assert "dense_chain_6x16" in stdout
+    assert re.search(r"peak memory x[0-9.]+", stdout)
+    rows = [line for line in stdout.splitlines() if re.match(r"^│ (baseline|graphckpt) ", line)]
+    assert len(rows) == 2
+
+
+def test_error_subprocess_one_line_no_traceback(runs):
+    code, stdout, stderr = runs("missing")
+    assert code == 1
+    assert stdout == ""
+    assert "Traceback" not in stderr
+    (line,) = _error_lines(stderr)
+    assert line.startswith("graphckpt: error: no such file:")
+
+
+# ---------------------------------------------------------------- in process
+
+
+def run_main(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_inspect_table(capsys, files):
+    code, out, err = run_main(capsys, "inspect", files["chain"], "--segments", 3, "--batch-size", 2)
+    assert code == 0, err
+    assert "chain: 9 layer calls in 3 segments (fixed)" in out
+    for header in ("seg", "first", "last", "calls", "boundary tensors", "kept bytes"):
+        assert header in out
+    assert "estimated peak activation memory: baseline" in out and "bytes for a batch of 2" in out
+
+
+def test_inspect_nested_json_and_dot(capsys, files):
+    code, out, _ = run_main(capsys, "inspect", files["nested"], "--format", "json")
+    assert code == 0
+    info = json.loads(out)
+    model = keras.saving.load_model(files["nested"])
+    check_coverage(info, model)
+    assert "block#1" in [c for s in info["segments"] for c in s["calls"]]  # called twice
+
+    code, out, _ = run_main(capsys, "inspect", files["nested"], "--format", "dot")
+    assert code == 0
+    assert out.startswith('digraph "nested" {') and out.rstrip().endswith("}")
+    assert out.count("subgraph cluster_") == len(info["segments"])
+    declared = re.findall(r'^    ("[^"]+");$', out, flags=re.M)
+    assert sorted(json.loads(d) for d in declared) == sorted(c for s in info["segments"] for c in s["calls"])
+    assert out.count(" -> ") == build_graph(model).number_of_edges()
+
+
+def test_inspect_a_checkpointed_file_shows_its_own_plan(capsys, files):
+    code, out, _ = run_main(capsys, "inspect", files["checkpointed"], "--format", "json")
+    assert code == 0
+    info = json.loads(out)
+    assert len(info["segments"]) == 3
+    check_coverage(info, graphckpt.uncheckpoint(keras.saving.load_model(files["checkpointed"])))
+    code, out, _ = run_main(capsys, "inspect", files["checkpointed"], "--format", "json", "--segments", 2)
+    assert len(json.loads(out)["segments"]) == 2
+
+
+def test_import_option(capsys, files):
+    code, _, err = run_main(capsys, "inspect", files["chain"], "--import", "tests.models")
+    assert code == 0, err
+    code, _, err = run_main(capsys, "inspect", files["chain"], "--import", "no_such_module_xyz")
+    assert code == 1 and "no_such_module_xyz" in err
+
+
+ERRORS = {
+    "missing file": (1, ["inspect", "{dir}/missing.keras"], "no such file"),
+    "directory": (1, ["inspect", "{dir}"], "is a directory"),
+    "not a zip": (1, ["inspect", "{text}"], "is not a Keras model file"),
+    "zip without a model": (1, ["inspect", "{zip}"], "could not load"),
+    "subclassed model": (1, ["inspect", "{subclassed}"], "subclassed model"),
+    "subclassed model, measure": (1, ["measure", "{subclassed}", "--batch-size", "2"], "subclassed model"),
+    "checkpointed model, measure": (1, ["measure", "{checkpointed}", "--batch-size", "2"], "already checkpointed"),
+    "segments not a number": (2, ["inspect", "{chain}", "--segments", "many"], "--segments must be"),
+    "segments zero": (2, ["inspect", "{chain}", "--segments", "0"], "--segments must be"),
+    "segments too many": (2, ["inspect", "{chain}", "--segments", "99"], "`segments` must be"),
+    "budget not a size": (2, ["inspect", "{chain}", "--budget", "lots"], "--budget must be"),
+    "budget unit": (2, ["measure", "{chain}", "--batch-size", "2", "--budget", "3 parsecs"], "--budget must be"),
+    "measure without batch size": (2, ["measure", "{chain}"], "--batch-size"),
+    "unknown command": (2, ["frobnicate"], "invalid choice"),
+    "bad format": (2, ["inspect", "{chain}", "--format", "svg"], "invalid choice"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_errors_are_one_line_without_traceback(capsys, files, case):
+    expected_code, argv, message = ERRORS[case]
+    argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in argv]
+    code, out, err = run_main(capsys, *argv)
+    assert code == expected_code
+    assert out == ""
+    assert "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("graphckpt: error: ") and message in line
+
+
+def test_debug_shows_the_traceback(capsys, files):
+    code, _, err = run_main(capsys, "--debug", "inspect", files["subclassed"])
+    assert code == 1
+    assert "Traceback" in err and "UnsupportedModelError" in err
+    assert err.strip().splitlines()[-1].startswith("graphckpt: error: ")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("2GiB", 2 * 2**30), ("512 MiB", 512 * 2**20), ("800MB", 800 * 10**6), ("1e9", 10**9), ("1.5k", 1536), ("4096", 4096)],
+)
+def test_parse_budget(text, expected):
+    assert cli.parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1GiB", "0", "GiB", "2 GiBs", "1e-3"])
+def test_parse_budget_rejects(text):
+    with pytest.raises(cli.CliError, match="--budget"):
+        cli.parse_budget(text)
