@@ -20,7 +20,7 @@ import sys
 import traceback
 import zipfile
 
-__all__ = ["main", "describe", "parse_budget", "demo_model", "load_model_file"]
+__all__ = ["main", "describe", "budget_arg", "demo_model", "load_model_file"]
 
 DEMO = {"depth": 36, "width": 256, "batch_size": 256}
 
@@ -50,42 +50,32 @@ def parse_segments(text):
     raise CliError(f"--segments must be 'sqrt' or a positive integer. Received: --segments {text!r}", code=2)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30})
+def budget_arg(text):
+    """A --budget value for `graphckpt.plan`: a bare integer becomes an int
+    of bytes, a bare decimal a float (a fraction of the baseline, such as
+    `0.3`), anything else (`2GiB`, `800 MB`) stays a string.
+    `graphckpt.budget.parse_budget` checks it."""
+    from graphckpt.budget import parse_budget
 
-
-def parse_budget(text):
-    """`"2GiB"`, `"512 MB"`, `"1e9"` -> bytes (int). KiB/MiB/GiB and the
-    bare K/M/G are powers of 1024; kB/MB/GB are powers of 1000."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
-        raise CliError(
-            f"--budget must be a positive size such as 2GiB, 512MiB, 800MB or 1e9 (bytes). Received: --budget {text!r}",
-            code=2,
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = text.strip()
+    if re.fullmatch(r"[0-9]+", value):
+        value = int(value)
+    elif re.fullmatch(r"[0-9]*\.[0-9]+", value):
+        value = float(value)
+    parse_budget(value)  # raises InvalidArgumentError, naming the accepted forms
+    return value
 
 
 def _planner_kwargs(args):
-    import graphckpt
-
+    """`graphckpt.plan` keywords from the command line."""
     kwargs = {}
     if args.segments is not None:
         kwargs["segments"] = parse_segments(args.segments)
     if args.budget is not None:
-        kwargs["budget"] = parse_budget(args.budget)
-        if "budget" not in _parameters(graphckpt.plan):
-            raise CliError("--budget needs graphckpt's budget planner, which this version lacks. Tip: use --segments.", 2)
-        if getattr(args, "batch_size", None) and "batch_size" in _parameters(graphckpt.plan):
-            kwargs["batch_size"] = args.batch_size
+        kwargs["budget"] = budget_arg(args.budget)
+    if getattr(args, "batch_size", None):
+        kwargs["batch_size"] = args.batch_size
     return kwargs
-
-
-def _parameters(fn):
-    import inspect
-
-    return inspect.signature(fn).parameters
 
 
 # ---------------------------------------------------------------- loading
@@ -147,7 +137,7 @@ def _planned(model, planner_kwargs):
 
     if isinstance(model, graphckpt.CheckpointedModel):
         plain = graphckpt.uncheckpoint(model)
-        if not planner_kwargs:
+        if not {"segments", "budget"} & set(planner_kwargs):
             return plain, build_graph(plain), model.plan
         model = plain
     the_plan = graphckpt.plan(model, **planner_kwargs)
@@ -167,47 +157,6 @@ def _tensor_name(key, ordinals, graph):
     return f"{name}[{index}]" if n_out > 1 else name
 
 
-def _fallback_estimate(graph, plan, batch):
-    """Boundary bytes from the graph's tensor sizes (Chen et al.'s model):
-    a plan keeps its boundary tensors plus, during backward, one segment's
-    recomputed interior; the baseline keeps every activation."""
-    tensors = graph.graph["tensors"]
-    made = {}
-    for info in tensors.values():
-        made[info.producer] = made.get(info.producer, 0) + info.nbytes * batch
-    kept = [sum(tensors[t].nbytes * batch for t in seg.outputs) for seg in plan.segments]
-    interior = [sum(made.get(n, 0) for n in seg.nodes) for seg in plan.segments]
-    remat = [getattr(seg, "remat", True) for seg in plan.segments]
-    held = [k if r else i for k, i, r in zip(kept, interior, remat)]
-    largest = max((i for i, r in zip(interior, remat) if r), default=0)
-    baseline = sum(v for n, v in made.items() if graph.nodes[n]["kind"] != "input")
-    return {
-        "method": "tensor sizes from the graph; plan = boundary tensors + the largest recomputed segment",
-        "segment_kept_bytes": held,
-        "baseline_bytes": baseline,
-        "plan_bytes": sum(held) + largest,
-    }
-
-
-def _estimate(model, graph, plan, batch):
-    """Estimated kept bytes per segment and totals: `graphckpt.estimate`'s
-    memory model where this graphckpt has one, else `_fallback_estimate`."""
-    try:
-        from graphckpt import estimate
-        from graphckpt.plan import baseline_peak, estimated_peak, segment_peaks
-
-        costs = estimate.node_costs(model, batch_size=batch)
-        peaks = segment_peaks(graph, plan, costs)
-        return {
-            "method": "graphckpt.estimate memory model (peak training-step activation bytes)",
-            "segment_kept_bytes": [p.held_bytes for p in peaks],
-            "baseline_bytes": baseline_peak(graph, costs),
-            "plan_bytes": estimated_peak(graph, plan, costs),
-        }
-    except (ImportError, AttributeError, TypeError):
-        return _fallback_estimate(graph, plan, batch)
-
-
 def describe(model, graph, plan, batch_size=None):
     """Plain data about a plan: what `inspect` prints, and its JSON.
 
@@ -217,13 +166,14 @@ def describe(model, graph, plan, batch_size=None):
     written `name#k`.
     """
     from graphckpt.checkpointed import _call_ordinals
+    from graphckpt.estimate import estimate
 
     ordinals = _call_ordinals(graph)
     tensors = graph.graph["tensors"]
-    batch = batch_size or 1
-    estimate = _estimate(model, graph, plan, batch)
+    memory = estimate(model, plan, batch_size=batch_size, graph=graph)
+    batch = memory.batch_size or 1
     seen, segments = set(), []
-    for seg, kept in zip(plan.segments, estimate["segment_kept_bytes"]):
+    for seg, peak in zip(plan.segments, memory.segments):
         calls = [n[0] + (f"#{ordinals[n][1]}" if ordinals[n][1] else "") for n in seg.nodes]
         layers = [n[0] for n in seg.nodes if n[0] not in seen and not seen.add(n[0])]
 
@@ -249,7 +199,8 @@ def describe(model, graph, plan, batch_size=None):
                 "layers": layers,
                 "inputs": boundary(seg.inputs),
                 "boundary": boundary(seg.outputs),
-                "kept_bytes": kept,
+                "kept_bytes": peak.held_bytes,
+                "peak_bytes": peak.peak_bytes,
             }
         )
     outside = [n[0] for n, d in graph.nodes(data=True) if d["kind"] == "input" and n[0] not in seen]
@@ -258,15 +209,17 @@ def describe(model, graph, plan, batch_size=None):
         "num_layers": len(seen) + len(outside),
         "num_layer_calls": plan.num_layer_calls,
         "strategy": plan.strategy,
-        "batch_size": batch_size,
-        "bytes_are": f"for a batch of {batch_size}" if batch_size else "per example (batch size 1)",
+        "batch_size": memory.batch_size,
+        "bytes_are": f"for a batch of {memory.batch_size}" if memory.batch_size else "per example",
         "segments": segments,
         "outside": outside,
         "totals": {
-            "baseline_bytes": estimate["baseline_bytes"],
-            "plan_bytes": estimate["plan_bytes"],
-            "ratio": estimate["plan_bytes"] / estimate["baseline_bytes"] if estimate["baseline_bytes"] else None,
-            "estimate": estimate["method"],
+            "baseline_bytes": memory.baseline_peak_bytes,
+            "plan_bytes": memory.peak_bytes,
+            "ratio": memory.ratio,
+            "recompute_fraction": memory.recompute_flops / memory.forward_flops if memory.forward_flops else 0.0,
+            "unknown_layers": list(memory.unknown_layers),
+            "estimate": "graphckpt.estimate: peak training-step activation memory, from static shapes",
         },
     }
 
@@ -326,22 +279,26 @@ def render_table(info, console):
     table = Table(title=title, title_justify="left")
     for col, justify in [("seg", "right"), ("first", "left"), ("last", "left"), ("calls", "right")]:
         table.add_column(col, justify=justify)
-    table.add_column("boundary tensors (kept for backward)", justify="left")
+    table.add_column("boundary tensors", justify="left")
     table.add_column("kept bytes", justify="right")
+    table.add_column("peak in its backward", justify="right")
     for seg in info["segments"]:
         boundary = "\n".join(f"{b['tensor']} {_shape(b['shape'])}" for b in seg["boundary"]) or "-"
         index = str(seg["index"]) + ("" if seg["recomputed"] else "*")
-        table.add_row(index, seg["first"], seg["last"], str(seg["num_calls"]), boundary, _bytes(seg["kept_bytes"]))
+        row = (seg["first"], seg["last"], str(seg["num_calls"]), boundary)
+        table.add_row(index, *row, _bytes(seg["kept_bytes"]), _bytes(seg["peak_bytes"]))
     console.print(table)
     totals = info["totals"]
     ratio = f" (x{totals['ratio']:.2f})" if totals["ratio"] is not None else ""
     console.print(
-        f"estimated peak activation memory: baseline {_bytes(totals['baseline_bytes'])}, "
-        f"plan {_bytes(totals['plan_bytes'])}{ratio}; bytes {info['bytes_are']}"
+        f"estimated peak training-step memory ({info['bytes_are']}): "
+        f"baseline {_bytes(totals['baseline_bytes'])}, plan {_bytes(totals['plan_bytes'])}{ratio}"
     )
-    console.print(f"estimate: {totals['estimate']}")
+    console.print(f"recomputed in backward: {totals['recompute_fraction']:.0%} of the forward FLOPs")
+    if totals["unknown_layers"]:
+        console.print(f"estimated conservatively (unknown layers): {', '.join(totals['unknown_layers'])}")
     if any(not s["recomputed"] for s in info["segments"]):
-        console.print("* not recomputed: these layer calls run as they are and keep what they keep")
+        console.print("* not recomputed: its layer calls run as they are and keep what they keep")
 
 
 def render_comparison(base, cand, console):
@@ -466,7 +423,9 @@ def _parser():
     common.add_argument("--debug", action="store_true", help="on error, print the full traceback")
     planning = argparse.ArgumentParser(add_help=False)
     planning.add_argument("--segments", metavar="sqrt|N", help="number of segments: 'sqrt' (default) or an integer")
-    planning.add_argument("--budget", metavar="B", help="memory budget for the planner, e.g. 2GiB, 800MB, 1e9")
+    planning.add_argument(
+        "--budget", metavar="B", help="memory budget: bytes with a unit (2GiB, 800MB), or a fraction of the baseline (0.3)"
+    )
     loading = argparse.ArgumentParser(add_help=False)
     loading.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")
     loading.add_argument(
@@ -528,7 +487,7 @@ def main(argv=None):
         if args.command in ("inspect", "measure", "demo") and getattr(args, "segments", None) is not None:
             parse_segments(args.segments)  # a bad value fails before TensorFlow loads
         if getattr(args, "budget", None) is not None:
-            parse_budget(args.budget)
+            budget_arg(args.budget)
         return args.func(args)
     except KeyboardInterrupt:
         print("graphckpt: interrupted", file=sys.stderr)

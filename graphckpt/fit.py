@@ -29,6 +29,7 @@ loss and metrics, `History`, callbacks, `validation_data`, `class_weight`.
 import dataclasses
 import functools
 import inspect
+import warnings
 import weakref
 
 import keras
@@ -81,19 +82,25 @@ def _check_flag(gradient_checkpointing, budget):
     )
 
 
-def _planner_kwargs(kwargs):
-    from graphckpt import api
+def _with_batch_size(planner_kwargs, original, model, args, kwargs):
+    """A byte budget is for one batch: take the batch size `fit` will use."""
+    if "budget" not in planner_kwargs:
+        return planner_kwargs
+    bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
+    batch_size = bound.get("batch_size")
+    if batch_size is None and not _is_batched(bound.get("x")):
+        batch_size = 32  # what `fit` uses for arrays
+    return dict(planner_kwargs, batch_size=batch_size)
 
-    if "budget" in kwargs and "budget" not in inspect.signature(api.plan).parameters:
-        raise errors.InvalidArgumentError(
-            f"This graphckpt has no memory-budget planner. Received: budget={kwargs['budget']!r}. "
-            "Tip: use gradient_checkpointing='sqrt' or a number of segments."
-        )
-    return kwargs
+
+def _is_batched(x):
+    """True for inputs that bring their own batches (datasets, generators,
+    `keras.utils.PyDataset`), for which `fit` ignores `batch_size`."""
+    return x is not None and not hasattr(x, "shape") and not isinstance(x, (list, tuple, dict))
 
 
 def _plan_key(the_plan):
-    return tuple(seg.nodes for seg in the_plan.segments)
+    return tuple((seg.nodes, getattr(seg, "remat", True)) for seg in the_plan.segments)
 
 
 def _twin_for(model, planner_kwargs):
@@ -104,6 +111,8 @@ def _twin_for(model, planner_kwargs):
     from graphckpt.segment import Segment
 
     the_plan = api.plan(model, **planner_kwargs)  # raises the same errors as checkpoint_model
+    if the_plan.num_layer_calls < 2 or not any(getattr(s, "remat", True) for s in the_plan.segments):
+        return None  # nothing to recompute (`plan` has said why, if a budget)
     cache = model.__dict__.get(_CACHE_ATTR)
     if cache is None:
         cache = _Cache()
@@ -153,7 +162,10 @@ def _training_call(model, twin):
 
 
 def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
-    twin = _twin_for(model, _planner_kwargs(planner_kwargs))
+    twin = _twin_for(model, _with_batch_size(planner_kwargs, original, model, args, kwargs))
+    if twin is None:
+        warnings.warn(f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.", stacklevel=3)
+        return original(model, *args, **kwargs)
     saved_call = model.__dict__.get("call", _MISSING)
     saved_fn = getattr(model, "train_function", None)
     model.train_function = twin.train_function if _same_compile(twin, model) else None
@@ -179,7 +191,11 @@ _FLAG_DOC = """
             n layer calls), an int (that many segments), or False/None (off,
             the default: plain `fit`). Trains this model's own weights with
             gradient checkpointing, like `graphckpt.checkpoint_model`.
-        budget: a memory budget for the planner, where graphckpt has one.
+        budget: a memory budget for the estimated peak training-step
+            memory, as `graphckpt.checkpoint_model` takes it: bytes
+            ("2GiB", an int; for a batch of `batch_size`, default 32) or a
+            fraction of the baseline (0.3). It implies checkpointing; the
+            planner recomputes only where memory requires it.
 """
 
 

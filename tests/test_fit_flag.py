@@ -178,6 +178,27 @@ def test_sequential_and_multi_output_models(installed):
         np.testing.assert_allclose(h1.history[key], h0.history[key], rtol=1e-5, err_msg=key)
 
 
+def test_budget_flag(installed):
+    """`budget=` alone turns checkpointing on; the budget planner decides."""
+    fit = dict(x=X, y=Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    out = []
+    for kwargs in ({}, {"budget": 0.7}):
+        model = regularized()
+        model.compile(optimizer="adam", loss="mse")
+        keras.utils.set_random_seed(11)
+        out.append((model, model.fit(**fit, **kwargs).history["loss"]))
+    (_, h0), (model, h1) = out
+    np.testing.assert_allclose(h1, h0, rtol=1e-5)
+    (twin,) = model.__dict__[_CACHE_ATTR].twins.values()
+    assert twin.model.plan.strategy == "budget"
+    assert twin.model.plan.batch_size == 8  # fit's batch size
+    assert twin.model.plan.estimated_peak_bytes <= 0.7 * twin.model.plan.baseline_peak_bytes
+    with pytest.raises(graphckpt.InvalidArgumentError, match="budget"):
+        model.fit(**fit, gradient_checkpointing=False, budget=0.5)
+    with pytest.raises(graphckpt.InvalidArgumentError, match="segments"):
+        model.fit(**fit, gradient_checkpointing=2, budget=0.5)
+
+
 def test_rewrite_once_no_retrace_and_plain_fit_stays_plain(installed):
     model = regularized()
     model.compile(optimizer="adam", loss="mse")

@@ -136,6 +136,20 @@ def test_layer_with_calls_outside_the_model(tmp_path):
     assert_same(predict(loaded, x), predict(ck, x), rtol=1e-6)
 
 
+def test_budget_plan_with_segments_not_recomputed(tmp_path):
+    model = models.chain(depth=12, width=16, dropout=0.3)
+    ck = graphckpt.checkpoint_model(model, budget=0.6, batch_size=32)
+    assert not all(s.remat for s in ck.plan.segments)  # some calls run inline
+    loaded, _ = save_and_load(ck, tmp_path)
+    assert plan_config(loaded) == plan_config(ck)
+    assert [s.remat for s in loaded.plan.segments] == [s.remat for s in ck.plan.segments]
+    assert loaded.plan.estimated_peak_bytes == ck.plan.estimated_peak_bytes
+    assert [l.name for l in loaded.layers] == [l.name for l in ck.layers]
+    x = np.random.default_rng(3).normal(size=(4, 16)).astype("float32")
+    assert_same(predict(loaded, x), predict(ck, x), rtol=1e-6)
+    compare_step(graphckpt.uncheckpoint(loaded), loaded, x, graph=True)
+
+
 def test_sequential_source(tmp_path):
     model = keras.Sequential([keras.Input((8,))] + [layers.Dense(8, activation="relu") for _ in range(5)])
     ck = graphckpt.checkpoint_model(model, segments=2)
