@@ -18,8 +18,20 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/graphckpt demo
 
+# The full suite runs on TensorFlow; the tests marked `backends` run again
+# under JAX and PyTorch, each backend in its own pytest process (Keras fixes
+# the backend at import). Every backend runs even if an earlier one failed.
+OTHER_BACKENDS ?= jax torch
+
 test: install
-	$(PY) -m pytest -q
+	@status=0; \
+	echo "== KERAS_BACKEND=tensorflow: full suite =="; \
+	KERAS_BACKEND=tensorflow $(PY) -m pytest -q || status=1; \
+	for b in $(OTHER_BACKENDS); do \
+	  echo "== KERAS_BACKEND=$$b: tests marked 'backends' =="; \
+	  KERAS_BACKEND=$$b $(PY) -m pytest -q -m "backends and not slow" || status=1; \
+	done; \
+	exit $$status
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
