@@ -121,29 +121,31 @@ class CheckpointedModel(keras.Model):
         model.trainable = config.get("trainable", True)
         return model
 
-    def segment_layers(self):
-        """`(segment, [its layer names])` in execution order."""
+    def _segment_rows(self):
+        """`(name, recomputed, [layer names])` per plan segment, in order."""
         from graphckpt.segment import Segment
 
-        out = []
-        for layer in self.layers:
-            if isinstance(layer, Segment):
-                names = [l.name for l in layer.model.layers if not isinstance(l, keras.layers.InputLayer)]
-                out.append((layer, names))
-        return out
+        layers = iter(l for l in self.layers if isinstance(l, Segment))
+        rows = []
+        for seg in self.plan.segments:
+            names = list(dict.fromkeys(node[0] for node in seg.nodes))
+            remat = getattr(seg, "remat", True)
+            rows.append((next(layers).name if remat else f"inline_{seg.index}", remat, names))
+        return rows
 
     def summary(self, line_length=None, positions=None, print_fn=None, **kwargs):
         """Keras's summary, then each segment with the layers it contains."""
         super().summary(line_length=line_length, positions=positions, print_fn=print_fn, **kwargs)
         print_fn = print_fn or print
-        rows = self.segment_layers()
+        rows = self._segment_rows()
         lines = [
-            f"Segments: {len(rows)}, over {self.plan.num_layer_calls} layer calls "
-            "(in training, each segment's interior is recomputed once in backward)"
+            f"Segments: {len(rows)} over {self.plan.num_layer_calls} layer calls. In training, a "
+            "segment keeps only its inputs for backward and recomputes its layers once."
         ]
-        for seg, names in rows:
+        for name, remat, names in rows:
             count = f"{len(names)} layer" + ("" if len(names) == 1 else "s")
-            lines.append(f"  {seg.name} ({count}): {', '.join(names)}")
+            note = "" if remat else ", not recomputed"
+            lines.append(f"  {name} ({count}{note}): {', '.join(names)}")
         print_fn("\n".join(lines))
 
 

@@ -3,6 +3,7 @@
 segments, and it still trains with checkpointing."""
 
 import json
+import re
 import zipfile
 
 import keras
@@ -145,6 +146,9 @@ def test_budget_plan_with_segments_not_recomputed(tmp_path):
     assert [s.remat for s in loaded.plan.segments] == [s.remat for s in ck.plan.segments]
     assert loaded.plan.estimated_peak_bytes == ck.plan.estimated_peak_bytes
     assert [l.name for l in loaded.layers] == [l.name for l in ck.layers]
+    lines = []
+    loaded.summary(print_fn=lambda line, **_: lines.append(line))
+    assert re.search(r"^  inline_\d+ \(\d+ layers?, not recomputed\): ", lines[-1], flags=re.M)
     x = np.random.default_rng(3).normal(size=(4, 16)).astype("float32")
     assert_same(predict(loaded, x), predict(ck, x), rtol=1e-6)
     compare_step(graphckpt.uncheckpoint(loaded), loaded, x, graph=True)
@@ -184,7 +188,7 @@ def test_summary_names_segments_and_their_layers():
     ck.summary(print_fn=lambda line, **_: lines.append(line))
     text = "\n".join(lines)
     assert "segment_0 (Segment)" in text
-    listing = text[text.index("Segments: 3, over 7 layer calls") :].splitlines()[1:]
+    listing = text[text.index("Segments: 3 over 7 layer calls") :].splitlines()[1:]
     assert [line.split(" (")[0].strip() for line in listing] == ["segment_0", "segment_1", "segment_2"]
     named = [name for line in listing for name in line.split(": ", 1)[1].split(", ")]
     assert named == [l.name for l in model.layers[1:]]  # every layer, in order, once
