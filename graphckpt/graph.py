@@ -10,6 +10,9 @@ Contract:
 - One edge per producer -> consumer pair. Its `tensors` attribute lists the
   keys of the tensors that flow along it; a key is
   `(layer_name, node_index, tensor_index)`, Keras's own `_keras_history`.
+- `graph.graph["state_chains"]` lists tuples of layer calls that share
+  non-trainable variables (a shared BatchNormalization or Dropout), each in
+  Keras's execution order: they must run in that order.
 - `graph.graph["tensors"]` maps each tensor key to a `TensorInfo`;
   `graph.graph["inputs"]` / `["outputs"]` list the model's input and output
   tensor keys, flattened, in the model's order.
@@ -84,6 +87,26 @@ def functional_of(model):
     return model
 
 
+def _state_chains(graph):
+    """Chains of layer calls that share non-trainable variables, each in
+    Keras's execution order.
+
+    A layer called twice (or a nested model holding it) updates the same
+    BatchNormalization statistics or seed-generator state on each call, and
+    each call reads what the one before it wrote: such calls only give the
+    original's results in the original's order.
+    """
+    by_variable = {}
+    calls = sorted(graph.nodes(data=True), key=lambda item: item[1]["position"])
+    for key, data in calls:
+        if data["kind"] == "input":
+            continue
+        for v in getattr(data["layer"], "non_trainable_variables", ()):  # ops have none
+            by_variable.setdefault(id(v), []).append(key)
+    chains = (tuple(keys) for keys in by_variable.values() if len(keys) > 1)
+    return list(dict.fromkeys(chains))
+
+
 def build_graph(model):
     """Builds the layer-call graph of a built functional model.
 
@@ -128,6 +151,7 @@ def build_graph(model):
             elif tk not in edge["tensors"]:
                 edge["tensors"] += (tk,)
     graph.graph["tensors"] = tensors
+    graph.graph["state_chains"] = _state_chains(graph)
     graph.graph["inputs"] = [tensor_key(t) for t in fn.inputs]
     graph.graph["outputs"] = [tensor_key(t) for t in fn.outputs]
     graph.graph["name"] = model.name

@@ -145,9 +145,17 @@ def topological_order(graph):
     Scheduling each call as early as its inputs allow ends the life of side
     branches (auxiliary heads, early outputs) soon after their input is made,
     so fewer tensors cross later cuts.
+
+    Calls in one of `graph.graph["state_chains"]` keep their relative order:
+    each reads the state (BatchNormalization statistics, a seed generator)
+    the call before it updated, so reordering them changes the results.
     """
+    constrained = nx.DiGraph(graph.edges)
+    constrained.add_nodes_from(graph)
+    for chain in graph.graph.get("state_chains", ()):
+        constrained.add_edges_from(zip(chain, chain[1:]))
     order = []
-    for generation in nx.topological_generations(graph):
+    for generation in nx.topological_generations(constrained):
         generation = sorted(generation, key=lambda n: graph.nodes[n]["position"])
         order.extend(n for n in generation if graph.nodes[n]["kind"] != "input")
     return tuple(order)
@@ -310,6 +318,8 @@ def validate_plan(graph, plan):
     for u, v in graph.edges:
         if u in pos:
             assert pos[u] < pos[v], f"order: {u} after {v}"
+    for chain in graph.graph.get("state_chains", ()):
+        assert [pos[n] for n in chain] == sorted(pos[n] for n in chain), f"state order: {chain}"
     tensors = graph.graph["tensors"]
     consumers = _consumers(graph)
     outputs = set(graph.graph["outputs"])

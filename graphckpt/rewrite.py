@@ -19,16 +19,35 @@ from graphckpt.segment import Segment
 __all__ = ["rewrite"]
 
 
-def _replay(graph, nodes, values):
+def _replay(graph, nodes, values, calls):
     """Calls the layers of `nodes` again, on the tensors in `values` (graph
-    tensor key -> tensor), adding the results to `values`."""
+    tensor key -> tensor), adding the results to `values` and the new Keras
+    nodes to `calls`."""
     for node_key in nodes:
         node = graph.nodes[node_key]["node"]
         by_id = {id(t): values[tensor_key(t)] for t in node.input_tensors}
         args, kwargs = node.arguments.fill_in(by_id)
         outputs = tree.flatten(node.operation(*args, **kwargs))
+        calls.append(node.operation._inbound_nodes[-1])
         for original, new in zip(node.outputs, outputs):
             values[tensor_key(original)] = new
+
+
+def _run_in_call_order(fn, calls):
+    """Makes Keras run the functional model `fn`'s calls in the order of
+    `calls`, the order they were made in.
+
+    Keras runs a functional model by depth from its outputs, which can swap
+    two calls that do not depend on each other. Calls sharing state (a
+    shared BatchNormalization or Dropout) must keep the original's order,
+    which the plan keeps (`plan.topological_order`), or they read and write
+    that state in another order: other statistics, other masks.
+    """
+    rank = {id(node): i for i, node in enumerate(calls)}
+    nodes = [node for depth in sorted(fn._nodes_by_depth, reverse=True) for node in fn._nodes_by_depth[depth]]
+    ordered = [n for n in nodes if n.is_input] + sorted((n for n in nodes if not n.is_input), key=lambda n: rank[id(n)])
+    fn._nodes_by_depth = {len(ordered) - 1 - i: [node] for i, node in enumerate(ordered)}
+    return fn
 
 
 def _segment_model(graph, seg, name):
@@ -41,9 +60,10 @@ def _segment_model(graph, seg, name):
         x = keras.Input(batch_shape=info.shape, dtype=info.dtype, name=f"{name}_in{len(inputs)}")
         values[key] = x
         inputs.append(x)
-    _replay(graph, seg.nodes, values)
+    calls = []
+    _replay(graph, seg.nodes, values, calls)
     outputs = [values[key] for key in seg.outputs]
-    return keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model")
+    return _run_in_call_order(keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model"), calls)
 
 
 def _unique(name, taken):
@@ -88,13 +108,15 @@ def rewrite(model, graph, plan):
         # layers directly in the new model, under their own names.
         inline = {n for seg in plan.segments if not seg.remat for n in seg.nodes}
         taken |= {graph.nodes[n]["layer"].name for n in inline}
+        calls = []
         for seg in plan.segments:
             if not seg.remat:
-                _replay(graph, seg.nodes, values)
+                _replay(graph, seg.nodes, values, calls)
                 continue
             name = _unique(f"segment_{seg.index}", taken)
             layer = Segment(_segment_model(graph, seg, name), name=name)
             outs = layer([values[k] for k in seg.inputs])
+            calls.append(layer._inbound_nodes[-1])
             values.update(zip(seg.outputs, outs))
         outputs = []
         for key, original in zip(graph.graph["outputs"], fn.outputs):
@@ -102,16 +124,19 @@ def rewrite(model, graph, plan):
             # An output made inline already carries its layer's own name.
             if key not in graph.graph["inputs"] and graph.graph["tensors"][key].producer not in inline:
                 out_name = _unique(original._keras_history.operation.name, taken)
-                out = keras.layers.Identity(name=out_name)(out)
+                identity = keras.layers.Identity(name=out_name)
+                out = identity(out)
+                calls.append(identity._inbound_nodes[-1])
             outputs.append(out)
         outputs = tree.pack_sequence_as(fn._outputs_struct, outputs)
-        return CheckpointedModel(
+        checkpointed = CheckpointedModel(
             inputs=fn._inputs_struct,
             outputs=outputs,
             source=model,
             plan=plan,
             name=f"{model.name}_checkpointed",
         )
+        return _run_in_call_order(checkpointed, calls)
     except Exception:
         _restore_nodes(lengths)
         raise
