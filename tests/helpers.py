@@ -49,13 +49,23 @@ def tf_step(model, variables, inputs, graph=False, jit_compile=False):
         step = tf.function(step, jit_compile=jit_compile)
     loss, grads, outputs = step(inputs)
     to_np = keras.ops.convert_to_numpy
-    return to_np(loss), [to_np(g) for g in grads], tree.map_structure(to_np, outputs)
+    grads = [None if g is None else to_np(g) for g in grads]
+    return to_np(loss), grads, tree.map_structure(to_np, outputs)
 
 
-def compare_step(original, checkpointed, inputs, graph=False, atol=1e-5, rtol=1e-5, jit_compile=False):
+def compare_step(
+    original, checkpointed, inputs, graph=False, atol=1e-5, rtol=1e-5, jit_compile=False, unconnected="error"
+):
     """Runs one training step on each model from the same state; asserts equal
     loss, gradients, outputs and updated state. Leaves `original`'s state as
-    the step left it. Returns the max absolute gradient difference."""
+    the step left it. Returns the max absolute gradient difference.
+
+    `unconnected` says what a variable without gradient (None: it does not
+    reach the loss) may do: `"error"`, fail; `"same"`, be None in both
+    models; `"zero"`, be None in the original and None or all zeros in the
+    checkpointed model (TensorFlow's `recompute_grad` gives zeros for the
+    variables a segment reads without using, e.g. behind an unused output of
+    a nested model)."""
     variables = original.trainable_variables
     start = state_of(original)
     loss0, grads0, out0 = tf_step(original, variables, inputs, graph, jit_compile)
@@ -68,7 +78,12 @@ def compare_step(original, checkpointed, inputs, graph=False, atol=1e-5, rtol=1e
         np.testing.assert_allclose(a, b, atol=atol, rtol=rtol, err_msg="outputs")
     worst = 0.0
     for v, a, b in zip(variables, grads1, grads0):
-        assert a is not None and b is not None, f"no gradient for {v.path}"
+        assert unconnected != "error" or (a is not None and b is not None), f"no gradient for {v.path}"
+        if b is None:
+            zero = unconnected == "zero" and a is not None and not np.any(a)
+            assert a is None or zero, f"gradient of {v.path}: None in the original, not in the checkpointed model"
+            continue
+        assert a is not None, f"gradient of {v.path}: None in the checkpointed model only"
         np.testing.assert_allclose(a, b, atol=atol, rtol=rtol, err_msg=f"gradient of {v.path}")
         worst = max(worst, float(np.max(np.abs(a - b))) if a.size else 0.0)
     for v, a, b in zip(_all_state(original), after1, after0):
