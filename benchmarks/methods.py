@@ -89,3 +89,27 @@ def equal_segments(build, segments="sqrt"):
     bounds = sorted({round(i * n / k) for i in range(k)})
     plan = plan_from_boundaries(graph, order, bounds, strategy="equal")
     return rewrite(model, graph, plan)
+
+
+def graphckpt_budget(build, budget, batch_size):
+    """`graphckpt.checkpoint_model(model, budget=..., batch_size=...)` with a
+    budget derived from the model (issue 4's comparisons):
+
+    - `"sqrt"`: the default plan's own estimated peak, so the budget plan
+      should keep the same peak with less recompute;
+    - `"min"`: the smallest estimated peak any plan can reach;
+    - anything else is passed through (bytes, "512MiB", a fraction).
+    """
+    import graphckpt
+
+    model = build()
+    if budget == "sqrt":
+        budget = graphckpt.plan(model, batch_size=batch_size).estimated_peak_bytes
+    elif budget == "min":
+        from graphckpt.estimate import node_costs
+        from graphckpt.graph import build_graph
+        from graphckpt.plan import smallest_peak
+
+        graph = build_graph(model)
+        budget = smallest_peak(graph, node_costs(graph, batch_size))
+    return graphckpt.checkpoint_model(model, budget=budget, batch_size=batch_size)

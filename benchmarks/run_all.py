@@ -118,11 +118,12 @@ SCALING = dict(
 SPECIAL = ("acceptance", "scaling")
 
 
-def method_specs(budgets=()):
+def method_specs(budgets=(), batch_size=None):
     """(label, measure kwargs) for every method compared, baseline first.
 
     graphckpt plans beyond the default are added when `checkpoint_model`
-    accepts them (a `budget=` keyword, once issue 4 lands).
+    accepts them: `budget=` fractions (estimated for `batch_size`) and
+    `policy="save_expensive"`.
     """
     import graphckpt
 
@@ -138,9 +139,18 @@ def method_specs(budgets=()):
         ("graphckpt default", dict(method="graphckpt")),
     ]
     params = inspect.signature(graphckpt.checkpoint_model).parameters
+    sized = {"batch_size": batch_size} if batch_size and "batch_size" in params else {}
     if "budget" in params:
         for b in budgets:
-            specs.append((f"graphckpt budget={b}", dict(method="graphckpt", checkpoint_kwargs={"budget": b})))
+            if b in ("sqrt", "min"):
+                spec = dict(method=f"{m}:graphckpt_budget", method_kwargs={"budget": b, "batch_size": batch_size})
+            else:
+                spec = dict(method="graphckpt", checkpoint_kwargs={"budget": float(b), **sized})
+            specs.append((f"graphckpt budget={b}", spec))
+    if "policy" in params:
+        specs.append(
+            ("graphckpt save_expensive", dict(method="graphckpt", checkpoint_kwargs={"policy": "save_expensive", **sized}))
+        )
     return specs
 
 
@@ -269,14 +279,20 @@ def header(args, kind):
     }
 
 
-def run_family(name, args, specs):
+def run_family(name, args):
     fam = FAMILIES[name] if name in FAMILIES else ACCEPTANCE
     size = fam["quick"] if args.quick else fam
     batch = args.batch or size["batch"]
+    specs = method_specs(args.budgets, batch)
+    if name == "acceptance":
+        specs = [s for s in specs if s[0] in ("baseline", "graphckpt default")]
+    elif args.methods:
+        keep = {m.strip() for m in args.methods.split(",")} | {"baseline"}
+        specs = [s for s in specs if s[0] in keep]
     print(f"== {name}: {fam['title']} (batch {batch})", flush=True)
     runs = run_rounds(name, fam, specs, args, batch, size["kwargs"])
     summary = summarize(runs)
-    payload = header(args, "family")
+    payload = header(args, "acceptance" if name == "acceptance" else "family")
     payload.update(
         family=name,
         title=fam["title"],
@@ -355,10 +371,15 @@ def parse(argv):
     p.add_argument("--methods", default=None, help="comma-separated method labels to keep (baseline always runs)")
     p.add_argument("--quick", action="store_true", help="small sizes, 1 round, 2 steps: a smoke run")
     p.add_argument("--repeats", type=int, default=None, help="rounds per family (default 3; acceptance 5)")
-    p.add_argument("--steps", type=int, default=None, help="measured steps per run (default 3)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per run (default 4)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per run (default 2)")
     p.add_argument("--batch", type=int, default=None, help="override every family's batch size")
-    p.add_argument("--budgets", default="0.5,0.3", help="budget fractions for graphckpt budget plans, if supported")
+    p.add_argument(
+        "--budgets",
+        default="sqrt,min,0.5",
+        help="graphckpt budget plans, if supported: 'sqrt' (the default plan's estimated peak), 'min' (the "
+        "smallest estimated peak), or fractions of the estimated baseline",
+    )
     p.add_argument("--jit-compile", action="store_true", help="compile train steps with XLA")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results[/quick])")
@@ -371,7 +392,7 @@ def parse(argv):
         p.error(f"unknown families {unknown}; choose from {names}")
     if args.out is None:
         args.out = os.path.join(RESULTS, "quick") if args.quick else RESULTS
-    args.budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     return args
 
 
@@ -381,12 +402,8 @@ def main(argv=None):
 
     if not args.report_only:
         user_repeats = args.repeats
-        args.steps = args.steps or (2 if args.quick else 3)
+        args.steps = args.steps or (2 if args.quick else 4)
         args.warmup = args.warmup or (1 if args.quick else 2)
-        specs = method_specs(args.budgets)
-        if args.methods:
-            keep = {m.strip() for m in args.methods.split(",")} | {"baseline"}
-            specs = [s for s in specs if s[0] in keep]
         t0 = time.time()
         for name in args.families:
             args.repeats = user_repeats or (1 if args.quick else 3)
@@ -395,9 +412,9 @@ def main(argv=None):
                 run_scaling(args)
             elif name == "acceptance":
                 args.repeats = user_repeats or (1 if args.quick else 5)
-                run_family("acceptance", args, [s for s in method_specs() if s[0] in ("baseline", "graphckpt default")])
+                run_family("acceptance", args)
             else:
-                run_family(name, args, specs)
+                run_family(name, args)
         print(f"done in {time.time() - t0:.0f} s", flush=True)
     results = report.load(args.out)
     print(report.text_tables(results))
