@@ -301,24 +301,28 @@ def render_table(info, console):
         console.print("* not recomputed: its layer calls run as they are and keep what they keep")
 
 
-def render_comparison(base, cand, console):
+def render_comparison(comparison, console):
+    """Medians over the repeats, and the median paired ratios."""
+    import statistics
+
     from rich.table import Table
 
-    from graphckpt.measure import Comparison
-
-    table = Table(title=f"measured: batch {base.batch_size}, {base.steps} steps, {base.device}", title_justify="left")
+    first = comparison.baseline[0]
+    repeats = len(comparison.baseline)
+    title = f"measured: batch {first.batch_size}, {first.steps} steps" + (f" x {repeats} runs" if repeats > 1 else "")
+    table = Table(title=f"{title}, {first.device}", title_justify="left")
     for col in ("model", "peak training-step memory", "step time", "segments"):
         table.add_column(col, justify="left" if col == "model" else "right")
-    for label, m in (("baseline", base), ("graphckpt", cand)):
-        time_s = f"{m.step_time_s * 1000:.1f} ms" if m.step_time_s is not None else "-"
-        table.add_row(label, _bytes(m.peak_bytes), time_s, str(m.num_segments or 0))
+    for label, runs in (("baseline", comparison.baseline), ("graphckpt", comparison.candidate)):
+        peak = statistics.median(m.peak_bytes for m in runs)
+        step = statistics.median(m.step_time_s for m in runs)
+        table.add_row(label, _bytes(int(peak)), f"{step * 1000:.1f} ms", str(runs[0].num_segments or 0))
     console.print(table)
-    comparison = Comparison(baseline=(base,), candidate=(cand,))
     peak, time_ = comparison.peak_ratio, comparison.time_ratio
-    if peak is not None:
-        change = f"{abs(1 - peak) * 100:.0f}% {'less' if peak <= 1 else 'more'}"
-        console.print(f"graphckpt / baseline: peak memory x{peak:.2f} ({change}), step time x{time_:.2f}")
-    return comparison
+    change = f"{abs(1 - peak) * 100:.0f}% {'less' if peak <= 1 else 'more'}"
+    console.print(f"graphckpt / baseline: peak memory x{peak:.2f} ({change}), step time x{time_:.2f}")
+    if repeats == 1:
+        console.print("(one run each; step times on a busy machine are noisy: --repeats N alternates N pairs)")
 
 
 # ---------------------------------------------------------------- commands
@@ -337,30 +341,31 @@ def _cmd_inspect(args):
     return 0
 
 
-def _measure_pair(builder, builder_kwargs, batch_size, checkpoint_kwargs, steps, status_prefix=""):
-    """Baseline then graphckpt, each in a fresh process, with a spinner."""
-    from graphckpt.measure import measure
+def _measure_pair(builder, builder_kwargs, args, checkpoint_kwargs):
+    """Baseline and graphckpt, alternating, `args.repeats` times, each run
+    in a fresh process, with a spinner. Returns a `Comparison`."""
+    from graphckpt.measure import Comparison, measure
 
     console = _console(stderr=True)
-    results = []
-    runs = (("baseline", "the baseline"), ("graphckpt", "the checkpointed model"))
-    for i, (method, what) in enumerate(runs, 1):
-        with console.status(f"{status_prefix}measuring {what} in a fresh process ({i}/2)..."):
-            results.append(
-                measure(
-                    builder,
-                    batch_size=batch_size,
-                    method=method,
-                    builder_kwargs=builder_kwargs,
-                    checkpoint_kwargs=checkpoint_kwargs if method == "graphckpt" else None,
-                    steps=steps,
-                    check=False,
-                )
+    runs = {"baseline": [], "graphckpt": []}
+    total = 2 * args.repeats
+    for i in range(total):
+        method = ("baseline", "graphckpt")[i % 2]
+        what = "the baseline" if method == "baseline" else "the checkpointed model"
+        with console.status(f"measuring {what} in a fresh process ({i + 1}/{total})..."):
+            m = measure(
+                builder,
+                batch_size=args.batch_size,
+                method=method,
+                builder_kwargs=builder_kwargs,
+                checkpoint_kwargs=checkpoint_kwargs if method == "graphckpt" else None,
+                steps=args.steps,
+                check=False,
             )
-        m = results[-1]
         if not m.ok:
-            raise CliError(f"measuring {what} failed in phase {m.phase}: {_first_line(m.error)}")
-    return results
+            raise CliError(f"measuring {what} failed (phase {m.phase}): {_first_line(m.error)}")
+        runs[method].append(m)
+    return Comparison(baseline=tuple(runs["baseline"]), candidate=tuple(runs["graphckpt"]))
 
 
 def _cmd_measure(args):
@@ -375,8 +380,8 @@ def _cmd_measure(args):
     kwargs = _planner_kwargs(args)
     graphckpt.plan(model, **kwargs)  # bad arguments fail here, before any subprocess
     builder_kwargs = {"path": os.path.abspath(args.model), "imports": list(args.imports)}
-    base, cand = _measure_pair("graphckpt.cli:load_model_file", builder_kwargs, args.batch_size, kwargs, args.steps)
-    comparison = render_comparison(base, cand, _console())
+    comparison = _measure_pair("graphckpt.cli:load_model_file", builder_kwargs, args, kwargs)
+    render_comparison(comparison, _console())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(comparison.to_dict(), f, indent=2)
@@ -402,16 +407,21 @@ def _cmd_demo(args):
     model = demo_model(args.depth, args.width)
     kwargs = _planner_kwargs(args)
     the_plan = graphckpt.plan(model, **kwargs)
-    graph = build_graph(model)
     console.print(
-        f"[bold]graphckpt demo[/bold]: {model.name}, a chain of {args.depth} Dense({args.width}, tanh) layers, "
-        f"batch {args.batch_size}.\n1. Plan (graphckpt.plan); each segment keeps only its boundary for backward:"
+        f"[bold]graphckpt demo[/bold]: {model.name}, a chain of {args.depth} Dense({args.width}, tanh) "
+        f"layers, batch {args.batch_size}.\n\n1. The plan (graphckpt.plan): in training, each segment "
+        "keeps only its boundary tensors for backward and recomputes the rest."
     )
-    render_table(describe(model, graph, the_plan, args.batch_size), console)
-    console.print("\n2. Measured peak training-step memory, before and after graphckpt.checkpoint_model:")
+    render_table(describe(model, build_graph(model), the_plan, args.batch_size), console)
+    ck = graphckpt.checkpoint_model(model, **kwargs)
+    segments = sum(isinstance(l, graphckpt.Segment) for l in ck.layers)
+    console.print(
+        f"\n2. The rewrite (graphckpt.checkpoint_model): '{ck.name}', {segments} Segment layers over "
+        f"the same {len(model.weights)} weight tensors.\n\n3. Measured peak training-step memory, "
+        "each model trained in a fresh process:"
+    )
     builder_kwargs = {"depth": args.depth, "width": args.width}
-    base, cand = _measure_pair("graphckpt.cli:demo_model", builder_kwargs, args.batch_size, kwargs, args.steps)
-    render_comparison(base, cand, console)
+    render_comparison(_measure_pair("graphckpt.cli:demo_model", builder_kwargs, args, kwargs), console)
     return 0
 
 
@@ -450,6 +460,7 @@ def _parser():
     p = sub.add_parser("measure", parents=[common, loading, planning], help="measure peak memory, baseline vs plan")
     p.add_argument("--batch-size", type=_positive_int, metavar="N", required=True, help="examples per training step")
     p.add_argument("--steps", type=_positive_int, default=5, metavar="N", help="measured training steps (default: 5)")
+    p.add_argument("--repeats", type=_positive_int, default=1, metavar="N", help="alternate N baseline/graphckpt pairs (default: 1)")
     p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON to PATH")
     p.set_defaults(func=_cmd_measure)
 
@@ -458,6 +469,7 @@ def _parser():
     p.add_argument("--width", type=_positive_int, default=DEMO["width"], metavar="N", help=f"units per layer (default: {DEMO['width']})")
     p.add_argument("--batch-size", type=_positive_int, default=DEMO["batch_size"], metavar="N", help=f"default: {DEMO['batch_size']}")
     p.add_argument("--steps", type=_positive_int, default=5, metavar="N", help="measured training steps (default: 5)")
+    p.add_argument("--repeats", type=_positive_int, default=1, metavar="N", help="alternate N baseline/graphckpt pairs (default: 1)")
     p.set_defaults(func=_cmd_demo)
     return parser
 
