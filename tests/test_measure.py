@@ -89,3 +89,46 @@ def test_bad_arguments_fail_before_any_process(kwargs, match):
     args = {"builder": mb.chain, "batch_size": 4, **kwargs}
     with pytest.raises((ValueError, TypeError), match=match):
         measure(args.pop("builder"), **args)
+
+
+def _benchmark_module(name):
+    import importlib.util
+    import pathlib
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+    saved = list(sys.path)
+    try:  # the benchmark scripts put their folder on sys.path; undo that
+        spec = importlib.util.spec_from_file_location(f"_bench_{name}", bench / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def _run(label, rnd, peak, time, ok=True):
+    return dict(label=label, round=rnd, ok=ok, peak_bytes=peak, step_time_s=time, step_cpu_s=time,
+                num_segments=0, error=None if ok else "E: x", phase=None if ok else "train")
+
+
+def test_benchmark_ratios_pair_each_round_with_its_own_baseline():
+    summarize = _benchmark_module("run_all").summarize
+    runs = [
+        _run("baseline", 0, 100, 1.0), _run("m", 0, 50, 2.0),
+        _run("baseline", 1, 200, 4.0), _run("m", 1, 60, 4.4),
+        _run("baseline", 2, 100, 1.0), _run("m", 2, 40, 1.3),
+        _run("bad", 0, None, None, ok=False),
+    ]
+    s = summarize(runs)
+    assert s["m"]["peak_ratio"] == pytest.approx(0.4)  # median of 0.5, 0.3, 0.4
+    assert s["m"]["time_ratio"] == pytest.approx(1.3)  # median of 2.0, 1.1, 1.3
+    assert s["m"]["peak_bytes"] == 50 and s["baseline"]["peak_ratio"] == 1.0
+    assert not s["bad"]["ok"] and s["bad"]["phase"] == "train" and s["bad"]["peak_ratio"] is None
+
+
+def test_scaling_exponent_is_the_log_log_slope():
+    fit = _benchmark_module("run_all").fit_exponent
+    depths = [16, 32, 64, 128, 256]
+    assert fit(depths, [3 * d**0.5 for d in depths]) == pytest.approx(0.5)
+    assert fit(depths, [7 * d for d in depths]) == pytest.approx(1.0)
