@@ -439,10 +439,16 @@ def is_expensive(layer):
 
 # ------------------------------------------------------------------ costs
 
-# Transient bytes of a call's backward step, as multiples of its (float)
-# input and output bytes; parameter gradients are added whole. Calibrated
-# against measured peaks (docs/estimator.md).
+# Transient bytes of a call's backward step: its input and output gradients
+# (x its float input and output bytes), temporaries about the size of its
+# internal buffers (x internal bytes: gelu's and attention's backward make
+# several), and parameter gradients in flight (x its parameter bytes: the
+# gradient, the optimizer's update temporary and the next call's gradient,
+# since TensorFlow applies each gradient as soon as it is ready).
+# Calibrated against measured peaks (docs/estimator.md).
 _WORKSPACE_IO = 1.0
+_WORKSPACE_INTERNAL = 1.0
+_WORKSPACE_PARAMS = 3.0
 # Bytes every plan pays, as multiples of the model outputs' bytes (the
 # prediction, its error and its gradient in the loss).
 _FIXED_OUTPUTS = 3.0
@@ -479,7 +485,9 @@ def _costs(graph, batch_size):
         saved.update(outs[i].key for i in rule.saved_outputs if i < len(outs))
         internal[key] = int(rule.internal * scale)
         io = sum(i.nbytes for i in ins if _is_float(i)) + sum(o.nbytes for o in outs)
-        workspace[key] = int(_WORKSPACE_IO * io * scale) + (0 if batch_size is None else _param_bytes(data["layer"]))
+        workspace[key] = int((_WORKSPACE_IO * io + _WORKSPACE_INTERNAL * rule.internal) * scale)
+        if batch_size is not None:
+            workspace[key] += int(_WORKSPACE_PARAMS * _param_bytes(data["layer"]))
         compute[key] = rule.flops * scale
     out_bytes = sum(tensor_bytes[k] for k in graph.graph["outputs"])
     costs = NodeCosts(
