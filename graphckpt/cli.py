@@ -98,9 +98,12 @@ def load_model_file(path, imports=()):
     return keras.saving.load_model(path)
 
 
-def _first_line(error):
+def _first_line(error, limit=300):
+    """The gist of an error message: its first line, without the object
+    config Keras appends, at most `limit` characters."""
     text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0].strip()
+    text = text.splitlines()[0].split(" Full object config:")[0].strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _load(path, imports, debug):
@@ -122,7 +125,7 @@ def _load(path, imports, debug):
             traceback.print_exc()
         raise CliError(
             f"could not load {path} as a Keras model ({type(e).__name__}: {_first_line(e)}). "
-            "Tip: save one with `model.save('model.keras')`; --import the modules that define custom classes."
+            "Tip: --import the modules that define the model's custom classes; save models with `model.save('model.keras')`."
         ) from None
     if not isinstance(model, keras.Model):
         raise CliError(f"{path} holds a {type(model).__name__}, not a Keras model")
@@ -409,15 +412,15 @@ def _cmd_demo(args):
     the_plan = graphckpt.plan(model, **kwargs)
     console.print(
         f"[bold]graphckpt demo[/bold]: {model.name}, a chain of {args.depth} Dense({args.width}, tanh) "
-        f"layers, batch {args.batch_size}.\n\n1. The plan (graphckpt.plan): in training, each segment "
-        "keeps only its boundary tensors for backward and recomputes the rest."
+        f"layers, batch {args.batch_size}.\n\n1. The plan (graphckpt.plan): a segment keeps its "
+        "boundary tensors for backward and recomputes the rest."
     )
     render_table(describe(model, build_graph(model), the_plan, args.batch_size), console)
     ck = graphckpt.checkpoint_model(model, **kwargs)
     segments = sum(isinstance(l, graphckpt.Segment) for l in ck.layers)
     console.print(
-        f"\n2. The rewrite (graphckpt.checkpoint_model): '{ck.name}', {segments} Segment layers over "
-        f"the same {len(model.weights)} weight tensors.\n\n3. Measured peak training-step memory, "
+        f"\n2. The rewrite (graphckpt.checkpoint_model): '{ck.name}', {segments} Segment layers, "
+        f"the same {len(model.weights)} weights.\n\n3. Measured peak training-step memory, "
         "each model trained in a fresh process:"
     )
     builder_kwargs = {"depth": args.depth, "width": args.width}
