@@ -9,9 +9,12 @@ and weights are untouched. If the rewrite fails part-way, the added nodes
 are removed again.
 """
 
+import re
+
 import keras
 from keras import tree
 
+from graphckpt import errors
 from graphckpt.checkpointed import CheckpointedModel
 from graphckpt.graph import functional_of, tensor_key
 from graphckpt.segment import Segment
@@ -27,10 +30,27 @@ def _replay(graph, nodes, values, calls):
         node = graph.nodes[node_key]["node"]
         by_id = {id(t): values[tensor_key(t)] for t in node.input_tensors}
         args, kwargs = node.arguments.fill_in(by_id)
-        outputs = tree.flatten(node.operation(*args, **kwargs))
+        try:
+            outputs = tree.flatten(node.operation(*args, **kwargs))
+        except Exception as e:
+            raise _cannot_replay(node.operation, e) from e
         calls.append(node.operation._inbound_nodes[-1])
         for original, new in zip(node.outputs, outputs):
             values[tensor_key(original)] = new
+
+
+def _cannot_replay(layer, error):
+    """The error for a layer that fails when called again on new inputs."""
+    # Keras wraps a call's error with bold text and the arguments received.
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()]
+    reason = " ".join(line for line in lines if line and not line.startswith(("Arguments received", "•")))
+    return errors.UnsupportedModelError(
+        f"Layer '{layer.name}' ({type(layer).__name__}) could not be called again on new "
+        f"inputs, which graphckpt does to build the segment that holds it. It raised "
+        f"{type(error).__name__}: {reason} Tip: a layer must be callable more than once, as "
+        "when shared in the functional API: create its state in `build()`, and give it "
+        "`compute_output_spec()` if Keras cannot infer its output."
+    )
 
 
 def _run_in_call_order(fn, calls):
@@ -45,6 +65,11 @@ def _run_in_call_order(fn, calls):
     """
     rank = {id(node): i for i, node in enumerate(calls)}
     nodes = [node for depth in sorted(fn._nodes_by_depth, reverse=True) for node in fn._nodes_by_depth[depth]]
+    for n in nodes:
+        # A node Keras made itself while a layer ran inline (an Embedding's
+        # mask op) runs right after the nodes it reads.
+        if id(n) not in rank:
+            rank[id(n)] = max((rank.get(id(p), -1) for p in n.parent_nodes), default=-1) + 0.5
     ordered = [n for n in nodes if n.is_input] + sorted((n for n in nodes if not n.is_input), key=lambda n: rank[id(n)])
     fn._nodes_by_depth = {len(ordered) - 1 - i: [node] for i, node in enumerate(ordered)}
     return fn
