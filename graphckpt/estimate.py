@@ -235,6 +235,8 @@ class _Rule:
     flops: float = 0.0
     expensive: bool = False
     name: str = "free"
+    workspace: float | None = None  # per example; None: the default formula
+    param_bytes: int | None = None  # parameters whose gradients are in flight
 
 
 def _elems(info):
@@ -328,6 +330,7 @@ def _nested_rule(layer, ins, outs, batch_size):
     """A nested functional model or Sequential: the sum of its own calls."""
     graph = build_graph(layer)
     costs, calls = _costs(graph, None)
+    inner_layers = [graph.nodes[c.node]["layer"] for c in calls]
     inner_inputs = graph.graph["inputs"]
     inner_outputs = graph.graph["outputs"]
     saved_in = frozenset(i for i, k in enumerate(inner_inputs) if k in costs.saved)
@@ -342,6 +345,9 @@ def _nested_rule(layer, ins, outs, batch_size):
         flops=sum(c.flops for c in calls),
         expensive=any(c.expensive for c in calls),
         name="nested model",
+        # Its backward runs one inner call at a time.
+        workspace=max((c.workspace_bytes for c in calls), default=0),
+        param_bytes=max((_param_bytes(layer) for layer in inner_layers), default=0),
     )
 
 
@@ -485,9 +491,11 @@ def _costs(graph, batch_size):
         saved.update(outs[i].key for i in rule.saved_outputs if i < len(outs))
         internal[key] = int(rule.internal * scale)
         io = sum(i.nbytes for i in ins if _is_float(i)) + sum(o.nbytes for o in outs)
-        workspace[key] = int((_WORKSPACE_IO * io + _WORKSPACE_INTERNAL * rule.internal) * scale)
+        work = _WORKSPACE_IO * io + _WORKSPACE_INTERNAL * rule.internal if rule.workspace is None else rule.workspace
+        workspace[key] = int(work * scale)
         if batch_size is not None:
-            workspace[key] += int(_WORKSPACE_PARAMS * _param_bytes(data["layer"]))
+            params = _param_bytes(data["layer"]) if rule.param_bytes is None else rule.param_bytes
+            workspace[key] += int(_WORKSPACE_PARAMS * params)
         compute[key] = rule.flops * scale
     out_bytes = sum(tensor_bytes[k] for k in graph.graph["outputs"])
     costs = NodeCosts(

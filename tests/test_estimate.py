@@ -1,0 +1,191 @@
+"""The estimator: per-layer rules, batch handling, FLOPs, and consistency
+with the planner's memory model. No measurement here (see
+benchmarks/calibrate.py and docs/estimator.md for estimated vs measured)."""
+
+import keras
+import pytest
+from keras import layers
+
+import graphckpt
+from graphckpt.estimate import call_estimates, estimate, is_expensive, node_costs, resolve_batch_size
+from graphckpt.graph import build_graph
+from graphckpt.plan import segment_peaks
+from tests import models
+
+F = 4  # bytes per float32
+
+
+def one_call(layer, shape, batch=None):
+    """Input -> Dense(linear) -> layer -> Dense(linear): the rule of `layer`
+    is read from the middle call."""
+    inp = keras.Input(shape, batch_size=batch)
+    x = layers.Dense(shape[-1])(inp)
+    y = layer(x)
+    model = keras.Model(inp, layers.Dense(2)(y))
+    calls = {c.node[0]: c for c in call_estimates(build_graph(model), batch)}
+    return calls[layer.name], calls
+
+
+def n_elems(shape):
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+@pytest.mark.parametrize(
+    "activation, kept_tensors",
+    [
+        ("linear", 1),  # only its output, which the next Dense keeps
+        ("tanh", 1),  # tanh's gradient reads its output: the same tensor
+        ("relu", 1),
+        ("sigmoid", 1),
+        ("gelu", 4),  # the output, plus pre-activation and two temporaries
+        ("swish", 2),
+    ],
+)
+def test_dense_with_fused_activation(activation, kept_tensors):
+    call, _ = one_call(layers.Dense(32, activation=activation), (32,))
+    assert call.kept_bytes == kept_tensors * 32 * F
+    assert call.flops == 2 * 32 * 32
+    assert call.expensive
+
+
+def test_dense_keeps_its_input_on_the_producer():
+    call, calls = one_call(layers.Dense(32), (16,))
+    first = next(c for name, c in calls.items() if name not in (call.node[0],) and c.kept_bytes == 16 * F)
+    assert first.rule == "matmul"  # the first Dense's output is kept: the middle Dense reads it
+
+
+def test_dropout_keeps_a_one_byte_mask_and_no_copy_of_its_input():
+    call, _ = one_call(layers.Dropout(0.3), (100,))
+    assert call.kept_bytes == 100 + 100 * F  # mask + its output (read by the next Dense)
+    off, _ = one_call(layers.Dropout(0.0), (100,))
+    assert off.kept_bytes == 100 * F
+
+
+def test_normalization_and_pooling_rules():
+    bn, calls = one_call(layers.BatchNormalization(), (8, 8, 4))
+    assert bn.kept_bytes == 8 * 8 * 4 * F  # its output, read by the next Dense
+    producer = [c for c in calls.values() if c.node[0] != bn.node[0]][0]
+    assert producer.kept_bytes >= 8 * 8 * 4 * F  # BN keeps its input
+    ln, _ = one_call(layers.LayerNormalization(), (10, 16))
+    assert ln.kept_bytes == 2 * 10 * 16 * F  # one internal buffer + its output
+    mp, _ = one_call(layers.MaxPooling2D(), (8, 8, 4))
+    assert mp.kept_bytes == 4 * 4 * 4 * F and mp.rule == "max pooling"
+    ap, _ = one_call(layers.AveragePooling2D(2), (8, 8, 4))
+    assert ap.rule == "free"
+
+
+def test_attention_scores_grow_with_the_square_of_the_sequence():
+    def kept(seq):
+        inp = keras.Input((seq, 16))
+        mha = layers.MultiHeadAttention(2, 8)
+        model = keras.Model(inp, mha(inp, inp))
+        calls = {c.node[0]: c for c in call_estimates(build_graph(model), 1)}
+        return calls[mha.name]
+
+    small, big = kept(16), kept(64)
+    assert small.expensive and small.rule == "attention"
+    # q, k, v (linear in T) plus 2.2 score buffers of heads x T x T
+    assert small.kept_bytes == pytest.approx(3 * 16 * 16 * F + 2.2 * 2 * 16 * 16 * F, rel=0.01)
+    assert big.kept_bytes - 4 * (small.kept_bytes - 2.2 * 2 * 16 * 16 * F) == pytest.approx(2.2 * 2 * 64 * 64 * F, rel=0.01)
+
+
+def test_conv_flops_and_kept_input():
+    conv, calls = one_call(layers.Conv2D(8, 3, padding="same", activation="relu"), (10, 10, 4))
+    assert conv.flops == 2 * 10 * 10 * 8 * (3 * 3 * 4)
+    assert conv.kept_bytes == 10 * 10 * 8 * F  # relu's output (also the next Dense's input)
+
+
+def test_unknown_layers_are_conservative_and_listed():
+    class Mystery(layers.Layer):
+        def call(self, x):
+            return x * 2.0
+
+    model = keras.Model(*_wrap(Mystery()))
+    e = estimate(model, batch_size=2)
+    assert e.unknown_layers == ("Mystery",)
+    call = next(c for c in e.calls if c.class_name == "Mystery")
+    assert call.rule == "unknown" and call.kept_bytes == 2 * 2 * 8 * F  # output + one output-sized buffer
+
+
+def _wrap(layer):
+    inp = keras.Input((8,))
+    return inp, layers.Dense(1)(layer(layers.Dense(8)(inp)))
+
+
+def test_nested_model_is_the_sum_of_its_calls():
+    inner_in = keras.Input((8,))
+    inner = keras.Model(inner_in, layers.Dense(8, activation="gelu")(layers.Dense(8)(inner_in)), name="inner")
+    inp = keras.Input((8,))
+    model = keras.Model(inp, layers.Dense(1)(inner(layers.Dense(8)(inp))))
+    flat_in = keras.Input((8,))
+    flat = keras.Model(flat_in, layers.Dense(1)(layers.Dense(8, activation="gelu")(layers.Dense(8)(layers.Dense(8)(flat_in)))))
+    nested = estimate(model, batch_size=16)
+    plain = estimate(flat, batch_size=16)
+    assert sum(c.kept_bytes for c in nested.calls) == sum(c.kept_bytes for c in plain.calls)
+    assert nested.forward_flops == plain.forward_flops
+    assert nested.baseline_peak_bytes == pytest.approx(plain.baseline_peak_bytes, rel=0.1)
+    assert is_expensive(inner)
+
+
+def test_batch_size_scaling_and_resolution():
+    model = models.chain(depth=10, width=64)
+    one = node_costs(build_graph(model), None)
+    many = node_costs(build_graph(model), 32)
+    assert one.per_example and not many.per_example
+    for key, nbytes in one.tensor_bytes.items():
+        assert many.tensor_bytes[key] == 32 * nbytes
+    # activation terms scale with the batch; parameter gradients do not
+    e1, e32 = estimate(model), estimate(model, batch_size=32)
+    assert e1.batch_size is None and e32.batch_size == 32
+    assert 32 * e1.baseline_peak_bytes < e32.baseline_peak_bytes
+    fixed = keras.Model(*_fixed_batch())
+    assert resolve_batch_size(fixed) == 5 and estimate(fixed).batch_size == 5
+    assert resolve_batch_size(fixed, 7) == 7
+    with pytest.raises(ValueError, match="batch_size"):
+        resolve_batch_size(model, -2)
+
+
+def _fixed_batch():
+    inp = keras.Input((4,), batch_size=5)
+    return inp, layers.Dense(2)(inp)
+
+
+def test_plan_estimate_is_the_planner_model():
+    model = models.unet()
+    p = graphckpt.plan(model, batch_size=8)
+    e = estimate(model, p, batch_size=8)
+    g = build_graph(model)
+    assert e.segments == segment_peaks(g, p, node_costs(g, 8))
+    assert e.peak_bytes == p.estimated_peak_bytes == max(s.peak_bytes for s in e.segments)
+    assert e.baseline_peak_bytes == p.baseline_peak_bytes
+    held = 0
+    for s in e.segments:
+        assert s.held_before_bytes == held
+        assert s.peak_bytes == e.fixed_bytes + s.held_before_bytes + s.recompute_peak_bytes
+        held += s.held_bytes
+    assert e.recompute_flops == pytest.approx(e.forward_flops)  # sqrt recomputes every call once
+    assert e.smallest_peak_bytes <= e.peak_bytes < e.baseline_peak_bytes
+
+
+def test_deep_chain_sqrt_estimate_is_sublinear():
+    ratios = []
+    for depth in (16, 64):
+        model = models.chain(depth=depth, width=256)
+        e = estimate(model, graphckpt.plan(model), batch_size=None)
+        ratios.append(e.ratio)
+    assert ratios[1] < ratios[0] < 1  # deeper chains save a larger fraction
+
+
+def test_policy_classification():
+    assert is_expensive(layers.Dense(3)) and is_expensive(layers.Conv2D(2, 3)) and is_expensive(layers.LSTM(2))
+    assert is_expensive(layers.MultiHeadAttention(2, 4))
+    for cheap in (layers.ReLU(), layers.BatchNormalization(), layers.Dropout(0.1), layers.Add(), layers.LayerNormalization()):
+        assert not is_expensive(cheap)
+    assert graphckpt.policies.save_expensive(layers.Dense(3))
+    named = graphckpt.policies.save_these_layers("keep_me", "ReLU")
+    assert named(layers.Dense(3, name="keep_me")) and named(layers.ReLU()) and not named(layers.Dense(3))
+    assert named == graphckpt.policies.save_these_layers("keep_me", "ReLU")  # frozen: hashes, compares
+    assert hash(named)
