@@ -3,7 +3,10 @@
     graphckpt inspect MODEL.keras [--segments sqrt|N] [--budget B]
                                   [--batch-size N] [--format table|json|dot]
     graphckpt measure MODEL.keras --batch-size N [--segments ...] [--budget ...]
-    graphckpt demo
+                                  [--steps N] [--repeats N] [--json PATH]
+    graphckpt demo [--depth N] [--width N] [--batch-size N] ...
+
+docs/cli.md describes every command and flag, with real output.
 
 `main(argv) -> int` is the whole program; `python -m graphckpt` and the
 console script call it. Inspection builds plain data (`describe`), and the
@@ -497,10 +500,13 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     try:
-        args = _parser().parse_args(argv)
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as e:  # --help and --version
+            return e.code or 0
         args.debug = debug  # a subcommand's default would hide a leading --debug
         if args.command in ("inspect", "measure", "demo") and getattr(args, "segments", None) is not None:
-            parse_segments(args.segments)  # a bad value fails before TensorFlow loads
+            parse_segments(args.segments)  # bad values fail before any model loads
         if getattr(args, "budget", None) is not None:
             budget_arg(args.budget)
         return args.func(args)

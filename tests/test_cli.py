@@ -269,6 +269,13 @@ def test_errors_are_one_line_without_traceback(capsys, files, case):
     assert line.startswith("graphckpt: error: ") and message in line
 
 
+def test_help_and_version_return_zero(capsys):
+    code, out, _ = run_main(capsys, "--help")
+    assert code == 0 and "inspect" in out and "measure" in out and "demo" in out
+    code, out, _ = run_main(capsys, "--version")
+    assert code == 0 and out.startswith("graphckpt ")
+
+
 def test_debug_shows_the_traceback(capsys, files):
     code, _, err = run_main(capsys, "--debug", "inspect", files["subclassed"])
     assert code == 1
