@@ -11,8 +11,10 @@ Contract:
   keys of the tensors that flow along it; a key is
   `(layer_name, node_index, tensor_index)`, Keras's own `_keras_history`.
 - `graph.graph["state_chains"]` lists tuples of layer calls that share
-  non-trainable variables (a shared BatchNormalization or Dropout), each in
-  Keras's execution order: they must run in that order.
+  state (the non-trainable variables of a shared BatchNormalization or
+  Dropout; for all Lambda and custom layers, whatever their code may share,
+  such as Keras's global seed generator), each in Keras's execution order:
+  they must run in that order.
 - `graph.graph["tensors"]` maps each tensor key to a `TensorInfo`;
   `graph.graph["inputs"]` / `["outputs"]` list the model's input and output
   tensor keys, flattened, in the model's order.
@@ -87,14 +89,25 @@ def functional_of(model):
     return model
 
 
+def _runs_user_code(layer):
+    """Whether `layer`, or a layer nested in it, runs code graphckpt cannot
+    see into: a Lambda, or a layer or op defined outside Keras."""
+    import keras
+
+    inner = layer._flatten_layers() if isinstance(layer, keras.layers.Layer) else [layer]
+    return any(isinstance(op, keras.layers.Lambda) or not type(op).__module__.startswith("keras.") for op in inner)
+
+
 def _state_chains(graph):
-    """Chains of layer calls that share non-trainable variables, each in
-    Keras's execution order.
+    """Chains of layer calls that share state, each in Keras's execution
+    order.
 
     A layer called twice (or a nested model holding it) updates the same
     BatchNormalization statistics or seed-generator state on each call, and
     each call reads what the one before it wrote: such calls only give the
-    original's results in the original's order.
+    original's results in the original's order. User code (Lambda and custom
+    layers) may share state no layer owns, e.g. Keras's global seed generator
+    (`keras.random.*` with `seed=None`), so all its calls form one chain too.
     """
     by_variable = {}
     calls = sorted(graph.nodes(data=True), key=lambda item: item[1]["position"])
@@ -103,6 +116,8 @@ def _state_chains(graph):
             continue
         for v in getattr(data["layer"], "non_trainable_variables", ()):  # ops have none
             by_variable.setdefault(id(v), []).append(key)
+        if _runs_user_code(data["layer"]):
+            by_variable.setdefault("user code", []).append(key)
     chains = (tuple(keys) for keys in by_variable.values() if len(keys) > 1)
     return list(dict.fromkeys(chains))
 

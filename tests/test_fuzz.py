@@ -142,10 +142,27 @@ def _two_parallel_branches():
     return keras.Model(x, [right, left, h])
 
 
+def _unseeded_noise_in_two_branches():
+    """Two Lambda layers drawing from Keras's global seed generator
+    (`seed=None`): no layer owns that state, yet the draws depend on the
+    order of the calls."""
+
+    def noise(name):
+        return keras.layers.Lambda(lambda t: t + keras.random.normal(keras.ops.shape(t)), name=name)
+
+    x = keras.Input((4,))
+    y = noise("noise_long")(keras.layers.Dense(4, name="b")(keras.layers.Dense(4, name="a")(x)))
+    for i in range(4):
+        y = keras.layers.Dense(4, activation="tanh", name=f"long{i}")(y)
+    return keras.Model(x, [y, keras.layers.Dense(4, name="head")(noise("noise_short")(x))])
+
+
+# name -> (model, number of state chains)
 SHARED_STATE_MODELS = {
-    "long branch first": lambda: _long_and_short_branch(False),
-    "short branch first": lambda: _long_and_short_branch(True),
-    "parallel branches": _two_parallel_branches,
+    "long branch first": (lambda: _long_and_short_branch(False), 2),
+    "short branch first": (lambda: _long_and_short_branch(True), 2),
+    "parallel branches": (_two_parallel_branches, 2),
+    "global seed generator": (_unseeded_noise_in_two_branches, 1),
 }
 
 
@@ -155,12 +172,14 @@ def test_calls_sharing_state_run_in_the_original_order(name):
     independent branches, the checkpointed model ran the calls in another
     order (the planner's ASAP order, then Keras's depth order inside each
     segment and between segments), so the calls drew each other's masks and
-    the moving statistics came out differently."""
-    model = SHARED_STATE_MODELS[name]()
+    the moving statistics came out differently. The same held for Lambda
+    layers drawing from the global seed generator."""
+    build, chains = SHARED_STATE_MODELS[name]
+    model = build()
     x = sample_inputs(model, batch=3)
     n = len(graphckpt.plan(model, segments=1).order)
     graph = build_graph(model)
-    assert len(graph.graph["state_chains"]) == 2  # the Dropout's and the BN's
+    assert len(graph.graph["state_chains"]) == chains
     for k in range(1, n + 1):
         validate_plan(graph, graphckpt.plan(model, segments=k))
         compare_step(model, graphckpt.checkpoint_model(model, segments=k), x)
