@@ -151,8 +151,8 @@ class _Draft:
         self.first_args = {}  # layer index -> TensorSpecs of its first call's args
         self.prefix = prefix
 
-    def add_layer(self, cls, kwargs=(), inner=None):
-        name = f"{self.prefix}l{len(self.layers)}_{cls.lower()}"
+    def add_layer(self, cls, kwargs=(), inner=None, name=None):
+        name = name or f"{self.prefix}l{len(self.layers)}_{cls.lower()}"
         self.layers.append(LayerSpec(name, cls, tuple(kwargs), inner))
         return len(self.layers) - 1
 
@@ -244,8 +244,7 @@ def _nested(draw, draft):
     args = [_back(draw, len(draft.tensors)) for _ in range(n_args)]
     prefix = f"{draft.prefix}b{len(draft.layers)}_"
     inner = draw(_model_specs([draft.tensors[i] for i in args], max_calls=4, max_outputs=2, nesting=False, prefix=prefix))
-    layer = draft.add_layer("Model", inner=inner)
-    draft.layers[layer] = dataclasses.replace(draft.layers[layer], name=f"{prefix}block")
+    layer = draft.add_layer("Model", inner=inner, name=f"{prefix}block")
     draft.call(layer, args, [inner.tensors[i] for i in inner.outputs])
 
 
