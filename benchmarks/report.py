@@ -15,13 +15,18 @@ DEFAULT = "graphckpt default"
 NOTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "notes.md")
 
 
+KINDS = ("family", "acceptance", "scaling")
+
+
 def load(folder):
-    """name -> payload for every results JSON in `folder`."""
+    """name -> payload for every run_all.py results JSON in `folder` (other
+    scripts' results there are skipped)."""
     out = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         with open(path) as f:
             payload = json.load(f)
-        out[os.path.splitext(os.path.basename(path))[0]] = payload
+        if isinstance(payload, dict) and payload.get("kind") in KINDS:
+            out[os.path.splitext(os.path.basename(path))[0]] = payload
     return out
 
 
@@ -105,6 +110,17 @@ def targets_table(results):
     return "\n".join(lines)
 
 
+def tail_exponent(fit, last=3):
+    """Log-log slope over the `last` deepest points: less bent by the
+    depth-independent part of the peak (weight gradients, the batch)."""
+    xs, ys = fit["depths"][-last:], fit["peak_bytes"][-last:]
+    if len(xs) < 2:
+        return None
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
 def scaling_table(payload):
     fits = payload["fits"]
     labels = list(fits)
@@ -118,10 +134,16 @@ def scaling_table(payload):
         ratio = vals[-1] / vals[0] if len(vals) > 1 and vals[0] and vals[-1] else None
         lines.append(f"| {d} | " + " | ".join(_mib(v) for v in vals) + f" | {_x(ratio)} |")
     lines.append(
-        "| **fitted exponent** | "
+        "| **fitted exponent, all depths** | "
         + " | ".join("-" if fits[lab]["exponent"] is None else f"**{fits[lab]['exponent']:.2f}**" for lab in labels)
         + " | |"
     )
+    tails = [tail_exponent(fits[lab]) for lab in labels]
+    if all(t is not None for t in tails):
+        deep = fits[labels[0]]["depths"][-3:]
+        lines.append(
+            f"| fitted exponent, depths {deep[0]}-{deep[-1]} | " + " | ".join(f"{t:.2f}" for t in tails) + " | |"
+        )
     return "\n".join(lines)
 
 
@@ -146,6 +168,10 @@ _STYLE = {
     "whole-model keras.remat": ("#ff9800", "s"),
     "equal segments (sqrt)": ("#1e88e5", "D"),
     DEFAULT: ("#d81b60", "*"),
+    "graphckpt budget=sqrt": ("#43a047", "P"),
+    "graphckpt budget=min": ("#8e24aa", "X"),
+    "graphckpt budget=0.5": ("#00897b", "h"),
+    "graphckpt save_expensive": ("#6d4c41", "p"),
 }
 
 
@@ -244,6 +270,12 @@ def plot_scaling(payload, path):
     ax.set_yscale("log", base=2)
     ax.set_xticks(xs)
     ax.set_xticklabels([str(x) for x in xs])
+    lo, hi = ax.get_ylim()
+    ticks = [2**k for k in range(math.floor(math.log2(lo)), math.ceil(math.log2(hi)) + 1)]
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([f"{t:g}" for t in ticks])
+    ax.set_ylim(lo, hi)
+    ax.minorticks_off()
     ax.set_xlabel("depth (Dense layers)")
     ax.set_ylabel("peak training-step memory above resident (MiB)")
     ax.set_title(f"Dense(1024, tanh) chain, batch {payload['batch_size']}")
