@@ -19,6 +19,9 @@ recomputed interior is alive at a time.
 Usage:
     .venv/bin/python benchmarks/diagnose_order.py [--batch 256] [--depth 64]
 
+`ordered_graphckpt` is also a `graphckpt.measure` method, to measure the fix
+on any family: method="benchmarks/diagnose_order.py:ordered_graphckpt".
+
 Each configuration runs in a fresh process. Prints the peak training-step
 memory above resident (MiB) of each of 3 steps.
 """
@@ -71,6 +74,17 @@ def ordered_recompute_grad(f):
         return result, grad
 
     return tf_decorator.make_decorator(f, inner)
+
+
+def ordered_graphckpt(build, **checkpoint_kwargs):
+    """A `graphckpt.measure` method: the default plan, traced with
+    `ordered_recompute_grad` in place of `tf.recompute_grad`."""
+    import tensorflow as tf
+
+    import graphckpt
+
+    tf.recompute_grad = ordered_recompute_grad  # keras.remat calls it when the train step is traced
+    return graphckpt.checkpoint_model(build(), **checkpoint_kwargs)
 
 
 def child(config):

@@ -38,6 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 from graphckpt.measure import format_bytes, measure  # noqa: E402
+from report import summarize  # noqa: E402
 
 FAMILIES_PY = os.path.join(HERE, "families.py")
 METHODS_PY = os.path.join(HERE, "methods.py")
@@ -177,45 +178,6 @@ def _load_avg():
         return list(os.getloadavg())
     except OSError:
         return None
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def summarize(runs):
-    """Per method: medians over rounds of the ratios to the same round's
-    baseline, plus median raw figures and any error."""
-    base = {r["round"]: r for r in runs if r["label"] == "baseline" and r["ok"]}
-    out = {}
-    for label in dict.fromkeys(r["label"] for r in runs):
-        mine = [r for r in runs if r["label"] == label]
-        good = [r for r in mine if r["ok"]]
-
-        def ratios(key, good=good):
-            return [
-                r[key] / base[r["round"]][key]
-                for r in good
-                if r["round"] in base and r[key] is not None and base[r["round"]][key]
-            ]
-
-        bad = next((r for r in mine if not r["ok"]), None)
-        out[label] = {
-            "ok": bool(good) and bad is None,
-            "rounds": len(good),
-            "peak_bytes": _median(r["peak_bytes"] for r in good),
-            "step_time_s": _median(r["step_time_s"] for r in good),
-            "step_cpu_s": _median(r["step_cpu_s"] for r in good),
-            "peak_ratio": _median(ratios("peak_bytes")),
-            "time_ratio": _median(ratios("step_time_s")),
-            "cpu_ratio": _median(ratios("step_cpu_s")),
-            "time_ratios": ratios("step_time_s"),
-            "num_segments": good[0]["num_segments"] if good else None,
-            "error": bad["error"] if bad else None,
-            "phase": bad["phase"] if bad else None,
-        }
-    return out
 
 
 def run_rounds(name, fam, specs, args, batch, kwargs):
