@@ -29,7 +29,7 @@ import math
 
 import networkx as nx
 
-__all__ = ["TensorInfo", "build_graph", "functional_of", "tensor_key"]
+__all__ = ["TensorInfo", "build_graph", "dependencies", "functional_of", "tensor_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,46 @@ def functional_of(model):
     if isinstance(model, keras.Sequential):
         return model._functional
     return model
+
+
+def dependencies(model, outputs=None):
+    """What a functional model's outputs are computed from, through its
+    layer graph.
+
+    A nested functional model counts only through the outputs used, and
+    passes on only the inputs those read: a branch that only feeds an unused
+    output, or an input a nested model ignores, is not a dependency.
+
+    Args:
+        model: a built functional model or Sequential.
+        outputs: indices into its flat outputs (default: all of them).
+
+    Returns:
+        `(tensors, variables)`: the ids of the model's KerasTensors the
+        outputs depend on (outputs and inputs included), and the trainable
+        variables read on the way.
+    """
+    import keras
+
+    fn = functional_of(model)
+    wanted = fn.outputs if outputs is None else [fn.outputs[i] for i in outputs]
+    needed = {id(t) for t in wanted}
+    read = {}
+    for depth in sorted(fn._nodes_by_depth):  # from the outputs back
+        for node in fn._nodes_by_depth[depth]:
+            used = [i for i, t in enumerate(node.outputs) if id(t) in needed]
+            if node.is_input or not used:
+                continue
+            op, args = node.operation, node.input_tensors
+            inner = functional_of(op) if isinstance(op, keras.Model) else None
+            if isinstance(inner, keras.src.models.functional.Functional) and len(args) == len(inner.inputs):
+                inner_tensors, variables = dependencies(inner, used)
+                args = [a for a, x in zip(args, inner.inputs) if id(x) in inner_tensors]
+            else:
+                variables = getattr(op, "trainable_variables", ())  # ops have none
+            read.update((id(v), v) for v in variables)
+            needed.update(id(t) for t in args)
+    return needed, list(read.values())
 
 
 def _runs_user_code(layer):

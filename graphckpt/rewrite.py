@@ -16,7 +16,7 @@ from keras import tree
 
 from graphckpt import errors
 from graphckpt.checkpointed import CheckpointedModel
-from graphckpt.graph import functional_of, tensor_key
+from graphckpt.graph import dependencies, functional_of, tensor_key
 from graphckpt.segment import Segment
 
 __all__ = ["rewrite"]
@@ -91,6 +91,15 @@ def _segment_model(graph, seg, name):
     return _run_in_call_order(keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model"), calls)
 
 
+def _live(graph, seg, live):
+    """Indices of `seg`'s outputs the model's outputs depend on (`live`:
+    KerasTensor ids from `dependencies`), or None for all of them."""
+    tensors = graph.graph["tensors"]
+    originals = [graph.nodes[tensors[key].producer]["node"].outputs[key[2]] for key in seg.outputs]
+    indices = [i for i, t in enumerate(originals) if id(t) in live]
+    return None if len(indices) == len(originals) else indices
+
+
 def _unique(name, taken):
     candidate, i = name, 1
     while candidate in taken:
@@ -134,12 +143,13 @@ def rewrite(model, graph, plan):
         inline = {n for seg in plan.segments if not seg.remat for n in seg.nodes}
         taken |= {graph.nodes[n]["layer"].name for n in inline}
         calls = []
+        live = dependencies(model)[0]
         for seg in plan.segments:
             if not seg.remat:
                 _replay(graph, seg.nodes, values, calls)
                 continue
             name = _unique(f"segment_{seg.index}", taken)
-            layer = Segment(_segment_model(graph, seg, name), name=name)
+            layer = Segment(_segment_model(graph, seg, name), live_outputs=_live(graph, seg, live), name=name)
             outs = layer([values[k] for k in seg.inputs])
             calls.append(layer._inbound_nodes[-1])
             values.update(zip(seg.outputs, outs))

@@ -13,7 +13,10 @@ Recompute that differs from the forward pass gives wrong gradients, so:
   wrote is returned from the rematerialized function and assigned once,
   outside it: moving statistics are updated exactly once per step.
 - **Trainable variables** are read normally, so the backend's remat finds
-  them and returns their gradients without copying them.
+  them and returns their gradients without copying them. Those no live
+  output depends on (behind an unused output of a nested model) are read as
+  snapshots: the remat would give them zero gradients where the original
+  gives None, which optimizers skip (no weight decay, no momentum step).
 - **Layer losses** (`add_loss`, activity regularizers) are collected by the
   scope and returned as outputs of the rematerialized function, then added
   to this layer, so their gradients flow. Weight regularizers are computed
@@ -32,6 +35,8 @@ from keras import ops
 
 # Stateless-scope and mask helpers have no public spelling in Keras 3.
 from keras.src import backend as keras_backend
+
+from graphckpt.graph import dependencies
 
 __all__ = ["Segment"]
 
@@ -79,6 +84,9 @@ class Segment(keras.layers.Layer):
     Args:
         model: a functional `keras.Model` whose inputs and outputs are flat
             lists. Its layers are used as they are, not copied.
+        live_outputs: indices of the outputs the enclosing model's outputs
+            depend on (default: all). Variables only the others depend on
+            get no gradient from this segment, as in the original.
         **kwargs: base `Layer` arguments (`name`, ...).
 
     Call arguments:
@@ -90,7 +98,7 @@ class Segment(keras.layers.Layer):
         A list of tensors, one per sub-model output, with masks attached.
     """
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, live_outputs=None, **kwargs):
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         if not isinstance(model, keras.Model):
@@ -101,6 +109,15 @@ class Segment(keras.layers.Layer):
         self.built = True
         # Recompute counter; tests use it to prove recompute happens (eager).
         self.forward_calls = 0
+        self.live_outputs = None if live_outputs is None else tuple(int(i) for i in live_outputs)
+        self._read_ids = None  # ids, not variables: Keras would track a list of variables
+
+    def _unread_trainable(self):
+        """Trainable variables of the sub-model that none of its live
+        outputs depends on (e.g. behind an unused output of a nested model)."""
+        if self._read_ids is None:
+            self._read_ids = frozenset(id(v) for v in dependencies(self.model, self.live_outputs)[1])
+        return [v for v in self.model.trainable_variables if id(v) not in self._read_ids]
 
     def call(self, inputs, training=None, mask=None):
         inputs = list(inputs)
@@ -121,6 +138,12 @@ class Segment(keras.layers.Layer):
         mapping = list(zip(state, snapshot))
         if outer is not None:
             mapping += [(v, x) for v, x in zip(trainable, outer) if x is not None]
+        else:
+            # The backend's remat gives every variable the function reads a
+            # gradient, zeros where none flows; the original gives None, and
+            # optimizers skip None (no weight decay, no momentum step). So
+            # variables no output depends on are read as snapshots instead.
+            mapping += [(v, _snapshot(v)) for v in self._unread_trainable()]
         float_idx = [i for i, x in enumerate(inputs) if _is_float(x)]
         layout = {}
 
@@ -185,6 +208,7 @@ class Segment(keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config["model"] = keras.saving.serialize_keras_object(self.model)
+        config["live_outputs"] = None if self.live_outputs is None else list(self.live_outputs)
         return config
 
     @classmethod
