@@ -59,6 +59,59 @@ def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
 
 
+def _remat(f):
+    """`keras.remat(f)`; on TensorFlow, a `tf.recompute_grad` whose input
+    gradients wait for its weight gradients.
+
+    `tf.recompute_grad` orders a segment's recompute after the gradient of
+    its output only. Nothing waits for the segment's weight gradients, so
+    the executor may run the input-gradient chain ahead and start earlier
+    segments' recomputes while later interiors are still alive: the measured
+    peak then depends on scheduling (see benchmarks/diagnose_order.py). A
+    control dependency on the weight gradients keeps one recomputed interior
+    alive at a time. Gradients are unchanged.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return keras.remat(f)
+    import tensorflow as tf
+    from tensorflow.python.eager import context, record
+
+    @tf.custom_gradient
+    def inner(*args):
+        with record.stop_recording():
+            result = f(*args)
+
+        def grad(*dresult, variables=None):
+            with tf.GradientTape() as tape:
+                id_args = [tf.identity(x) for x in args]
+                if not context.executing_eagerly():
+                    # As tf.recompute_grad: recompute once dresult exists
+                    # (a data dependency, which XLA respects).
+                    elem = tf.reduce_max(tf.reshape(dresult[0], [-1])[:1])
+                    ok = tf.cast(elem, tf.bool)
+                    dep = tf.where(ok == ok, 0.0, float("nan"))
+                    id_args = [x + tf.cast(dep, x.dtype) for x in id_args]
+                tape.watch(id_args)
+                if variables:
+                    tape.watch(variables)
+                recomputed = f(*id_args)
+            grads = tape.gradient(
+                recomputed,
+                id_args + list(variables or []),
+                output_gradients=dresult,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+            g_args, g_vars = grads[: len(id_args)], grads[len(id_args) :]
+            if g_vars and not context.executing_eagerly():
+                with tf.control_dependencies(g_vars):
+                    g_args = [tf.identity(g) for g in g_args]
+            return g_args, g_vars
+
+        return result, grad
+
+    return inner
+
+
 def _global_seed_state():
     """The state of Keras's global seed generator, if one exists: layers that
     call `keras.random.*` with `seed=None` draw from it."""
@@ -183,7 +236,7 @@ class Segment(keras.layers.Layer):
             float_masks = [ops.cast(out_masks[i], "float32") for i in found[1]]
             return tuple([outs[i] for i in found[4]] + float_masks + new_state + losses)
 
-        results = list(keras.remat(forward)(*[inputs[i] for i in float_idx]))
+        results = list(_remat(forward)(*[inputs[i] for i in float_idx]))
         n_out, masked, updated, n_losses, out_order = layout["found"]
         outs = [None] * n_out
         for i, x in zip(out_order, results[:n_out]):
