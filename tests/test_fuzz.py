@@ -104,7 +104,6 @@ def test_checkpointed_model_is_the_same_function_slow(spec, data):
     check_model_spec(spec, data)
 
 
-
 # ------------------------------------------------- regressions the fuzzer found
 
 
