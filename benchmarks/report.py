@@ -152,7 +152,7 @@ def targets_table(results):
             met = "**missed** (" + ", ".join(missed) + ")"
         cmp = "<" if t["strict_peak"] else "<="
         lines.append(
-            f"| {name} (batch {p['batch_size']}) | {cmp} x{t['peak_ratio']:.2f} | {_x(s['peak_ratio'])} | "
+            f"| {name} (batch {p['batch_size']}) | {cmp} x{t['peak_ratio']:.2f} | x{s['peak_ratio']:.3f} | "
             f"<= x{t['time_ratio']:.2f} | {_x(s['time_ratio'])} | {_x(s.get('best_time_ratio'))} | "
             f"{_x(s['cpu_ratio'])} | {met} |"
         )
@@ -275,7 +275,7 @@ def plot_tradeoff(results, path):
         ax.set_xlim(0.8, xmax)
         ax.set_ylim(0, ymax)
         ax.set_title(f"{name} (batch {p['batch_size']})", fontsize=11)
-        ax.set_xlabel("step time / baseline")
+        ax.set_xlabel("step time / baseline (wall clock, median)")
         ax.set_ylabel("peak memory / baseline")
         ax.grid(alpha=0.3)
         if failed:
@@ -383,7 +383,9 @@ def write_docs(results, root):
         "wall time of the measured steps. Every method of a family is measured round-robin in each round; "
         "a **ratio** is the median over rounds of the method's figure over the same round's baseline. "
         "**CPU-time ratio** uses process CPU time instead of wall time; it is less disturbed by other load on "
-        "a shared machine. A method that fails is recorded once with its error and not retried.\n",
+        "a shared machine. A method that fails is recorded once with its error and not retried. "
+        "**Segment layers** counts the graphckpt `Segment` layers of the trained model (runs a budget plan keeps "
+        "inline are not counted; 0 means graphckpt returned the model unchanged).\n",
         "Methods:\n",
         "- **baseline**: the model as built.\n"
         "- **RematScope full / activations / larger_than / list_of_layers**: Keras's own `keras.RematScope`, "
@@ -397,10 +399,18 @@ def write_docs(results, root):
         "through graphckpt's exact `Segment` layer (so only the cuts differ from graphckpt's default).\n"
         "- **graphckpt default**: `graphckpt.checkpoint_model(model)`: about sqrt(n) segments, boundaries "
         "where few bytes cross.\n"
-        "- **graphckpt budget=...**: budget plans, when `checkpoint_model` accepts `budget=`.\n",
+        "- **graphckpt budget=sqrt / min / 0.5**: `checkpoint_model(model, budget=..., batch_size=...)`, the "
+        "plan of least recompute whose *estimated* peak fits: `sqrt` is the default plan's own estimated peak "
+        "(same memory, less recompute expected), `min` the smallest estimated peak of any plan, `0.5` half the "
+        "estimated baseline (an infeasible budget is recorded as a failure).\n"
+        "- **graphckpt save_expensive**: `checkpoint_model(model, policy='save_expensive')`: Dense, "
+        "convolutions and attention are never recomputed, only the cheap calls between them.\n",
         "## Run\n",
         _meta(results),
     ]
+    if os.path.exists(os.path.join(root, "docs", "estimator.md")):
+        parts.append("Estimated against measured peaks, and the budget-plan runs of issue 4: "
+                     "[estimator.md](estimator.md).\n")
     parts += ["## Targets (graphckpt default plan vs baseline, same run)\n", targets_table(results) + "\n"]
     if os.path.exists(NOTES):
         with open(NOTES) as f:
