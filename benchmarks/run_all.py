@@ -16,8 +16,8 @@ Usage:
 
 Writes `benchmarks/results/<family>.json` (raw measurements, machine,
 versions, date), then `docs/benchmarks.md` and `docs/img/*.png` (see
-`report.py`). `--quick` writes under `benchmarks/results/quick/` and leaves
-the docs alone.
+`report.py`). `--quick` writes under `build/bench-quick/` (git-ignored) and
+leaves the docs alone.
 """
 
 import argparse
@@ -251,13 +251,14 @@ def run_family(name, args):
     elif args.methods:
         keep = {m.strip() for m in args.methods.split(",")} | {"baseline"}
         specs = [s for s in specs if s[0] in keep]
-    print(f"== {name}: {fam['title']} (batch {batch})", flush=True)
+    title = fam["title"] + (f" [quick sizes: {size['kwargs']}]" if args.quick else "")
+    print(f"== {name}: {title} (batch {batch})", flush=True)
     runs = run_rounds(name, fam, specs, args, batch, size["kwargs"])
     summary = summarize(runs)
     payload = header(args, "acceptance" if name == "acceptance" else "family")
     payload.update(
         family=name,
-        title=fam["title"],
+        title=title,
         builder=fam["builder"],
         builder_kwargs=size["kwargs"],
         batch_size=batch,
@@ -344,7 +345,7 @@ def parse(argv):
     )
     p.add_argument("--jit-compile", action="store_true", help="compile train steps with XLA")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results[/quick])")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results; build/bench-quick with --quick)")
     p.add_argument("--report-only", action="store_true", help="only re-render docs from the results folder")
     p.add_argument("--no-report", action="store_true", help="do not render docs/benchmarks.md and plots")
     args = p.parse_args(argv)
@@ -353,7 +354,8 @@ def parse(argv):
     if unknown:
         p.error(f"unknown families {unknown}; choose from {names}")
     if args.out is None:
-        args.out = os.path.join(RESULTS, "quick") if args.quick else RESULTS
+        # Quick results go to build/ (git-ignored), never over the real ones.
+        args.out = os.path.join(ROOT, "build", "bench-quick") if args.quick else RESULTS
     args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     return args
 
