@@ -95,15 +95,20 @@ def _remat(f):
                 if variables:
                     tape.watch(variables)
                 recomputed = f(*id_args)
+            # NONE, not tf.recompute_grad's ZERO: a variable that reaches no
+            # output (say, only through stop_gradient) gets None, as in the
+            # original, which optimizers skip; a zero would be applied.
             grads = tape.gradient(
                 recomputed,
                 id_args + list(variables or []),
                 output_gradients=dresult,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
             )
-            g_args, g_vars = grads[: len(id_args)], grads[len(id_args) :]
-            if g_vars and not context.executing_eagerly():
-                with tf.control_dependencies(g_vars):
+            g_args = [tf.zeros_like(x) if g is None else g for x, g in zip(args, grads)]
+            g_vars = grads[len(id_args) :]
+            computed = [g for g in g_vars if g is not None]
+            if computed and not context.executing_eagerly():
+                with tf.control_dependencies(computed):
                     g_args = [tf.identity(g) for g in g_args]
             return g_args, g_vars
 
