@@ -125,6 +125,23 @@ def family_table(payload):
     return "\n".join(lines)
 
 
+def source_note(payload):
+    """Which graphckpt code the family's runs used (recorded per run)."""
+    seen = {}
+    for r in payload["runs"]:
+        src = (r.get("info") or {}).get("graphckpt_source")
+        if src:
+            seen.setdefault(src["sha256"], src)
+    if not seen:
+        return "graphckpt source not recorded (results older than the fingerprint)"
+    parts = []
+    for sha, src in seen.items():
+        git = f", git {src['git_head']}" + (" + uncommitted changes" if src.get("uncommitted_changes") else "")
+        parts.append(f"`{sha}`" + (git if src.get("git_head") else ""))
+    lead = "graphckpt source " if len(seen) == 1 else f"**{len(seen)} different graphckpt sources** across runs: "
+    return lead + "; ".join(parts)
+
+
 def _short(error, n=160):
     error = (error or "").replace("|", "/").replace("`", "'")
     return error if len(error) <= n else error[: n - 3] + "..."
@@ -422,17 +439,18 @@ def write_docs(results, root):
     for name, p in _families(results):
         parts.append(f"### {name}: {p['title']}\n\nBatch {p['batch_size']}, {p['settings']['repeats']} rounds. "
                      f"Baseline peak {_mib(p['summary']['baseline']['peak_bytes'])} MiB, step "
-                     f"{p['summary']['baseline']['step_time_s'] or 0:.3f} s.\n\n{family_table(p)}\n")
+                     f"{p['summary']['baseline']['step_time_s'] or 0:.3f} s; {source_note(p)}.\n\n"
+                     f"{family_table(p)}\n")
     if "acceptance" in results:
         p = results["acceptance"]
         parts.append(f"### acceptance: {p['title']}\n\nBatch {p['batch_size']}, {p['settings']['repeats']} "
-                     f"rounds (issue 2's acceptance run).\n\n{family_table(p)}\n")
+                     f"rounds (issue 2's acceptance run); {source_note(p)}.\n\n{family_table(p)}\n")
     if "scaling" in results:
         s = results["scaling"]
         parts += [
             "## Scaling: peak memory vs depth\n",
             f"Dense(1024, tanh) chains of increasing depth, batch {s['batch_size']}; the exponent is the "
-            "least-squares slope of log(peak) against log(depth).\n",
+            f"least-squares slope of log(peak) against log(depth); {source_note(s)}.\n",
             scaling_table(s) + "\n",
             "![peak memory against depth, log-log](img/bench_scaling.png)\n",
         ]

@@ -501,9 +501,34 @@ def _versions():
         "keras": keras.__version__,
         "numpy": np.__version__,
         "graphckpt": graphckpt.__version__,
+        "graphckpt_source": _source_fingerprint(os.path.dirname(graphckpt.__file__)),
         "platform": platform.platform(),
         "pid": os.getpid(),
     }
+
+
+def _source_fingerprint(package_dir):
+    """Which graphckpt code ran: a hash of its .py files and, in a git
+    checkout, the commit and whether the package had uncommitted changes
+    (an editable install picks up whatever the tree holds right now)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(package_dir)):
+        if name.endswith(".py"):
+            with open(os.path.join(package_dir, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    out = {"sha256": digest.hexdigest()[:12]}
+    try:
+        git = ["git", "-C", package_dir]
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(git + ["status", "--porcelain", "."], capture_output=True, text=True, timeout=10)
+            out["git_head"] = head.stdout.strip()
+            out["uncommitted_changes"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
 
 
 def _random_batch(model, batch_size, seed):

@@ -29,6 +29,7 @@ def test_measurements_are_sane(pair):
         assert m.peak_bytes == max(m.step_peak_bytes) > 0
         assert m.resident_bytes > 0 and m.step_time_s > 0 and m.first_step_s > 0
         assert Measurement.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+        assert len(m.info["graphckpt_source"]["sha256"]) == 12  # which core code ran
     # Backprop through 16 tanh layers keeps at least their 16 outputs.
     assert pair.baseline[0].peak_bytes >= 0.9 * CHAIN["depth"] * ACTIVATION_BYTES
 
