@@ -149,7 +149,7 @@ def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=
     costs = node_costs(graph, batch_size)
     if budget is None and policy is None:
         try:
-            the_plan = plan_segments(graph, segments=segments)
+            the_plan = plan_segments(graph, segments=segments, costs=costs)
         except ValueError as e:
             raise errors.InvalidArgumentError(
                 f"{e}. Accepted: 'sqrt' (the default), or an int from 1 to the number of layer calls."

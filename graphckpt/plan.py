@@ -41,6 +41,7 @@ __all__ = [
     "crossing_bytes",
     "plan_from_boundaries",
     "plan_segments",
+    "graph_costs",
     "validate_plan",
     "NodeCosts",
     "SegmentPeak",
@@ -241,48 +242,93 @@ def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None)
     return Plan(segments=tuple(segments), order=order, strategy=strategy)
 
 
-def _best_boundaries(cross, n, k):
-    """Dynamic programming: k segments, lengths within [L/2, 3L/2] for
-    L = n/k, minimizing the bytes crossing the k-1 cuts; ties go to the
-    most even lengths."""
-    avg = n / k
-    lo = max(1, math.floor(avg / 2))
-    hi = max(lo, math.ceil(1.5 * avg))
-    inf = (math.inf, math.inf)
-    best = [{0: ((0, 0.0), None)}]
-    for j in range(1, k + 1):
-        row = {}
-        first, last = j * lo, n - (k - j) * lo
-        for b in range(first, last + 1):
-            if j == k and b != n:
-                continue
-            cut = cross[b] if b < n else 0
-            choice = inf, None
-            for length in range(lo, hi + 1):
-                prev = best[j - 1].get(b - length)
-                if prev is None:
-                    continue
-                (bytes_, dev), _ = prev
-                cost = (bytes_ + cut, dev + (length - avg) ** 2)
-                if cost < choice[0]:
-                    choice = cost, b - length
-            if choice[1] is not None:
-                row[b] = choice
-        best.append(row)
-    bounds, b = [], n
+def graph_costs(graph):
+    """`NodeCosts` from the graph alone: each tensor's bytes per example,
+    every tensor kept for backward, no other memory, unit compute per call.
+
+    What `plan_segments` plans with when no estimate of the layers is at
+    hand (`graphckpt.estimate.node_costs` knows more about each layer)."""
+    tensors = graph.graph["tensors"]
+    layer_nodes = _layer_nodes(graph)
+    return NodeCosts(
+        tensor_bytes={k: info.nbytes for k, info in tensors.items()},
+        saved=frozenset(tensors),
+        internal={},
+        workspace={},
+        compute={v: 1.0 for v in layer_nodes},
+        per_example=True,
+    )
+
+
+def _fewest_held(spans, k, cap, last_kept):
+    """Plans of exactly k segments whose peaks all fit `cap`: dynamic
+    programming over cut positions keeping, for each (segments so far, cut
+    position), the least bytes held for the later segments (later peaks only
+    grow with it). The last segment is not recomputed when `last_kept`.
+
+    Returns the start positions of the segments, or None when none fits."""
+    import numpy as np
+
+    n = spans.n
+    best = np.full((k + 1, n + 1), np.inf)  # [segments, cut position]
+    best[0, 0] = 0.0
+    back = np.zeros((k + 1, n + 1), dtype=int)
+    for b in range(1, n + 1):
+        last = last_kept and b == n
+        inner = (spans.inner_kept if last else spans.inner_remat)[:b, b]
+        held = (spans.held_kept if last else spans.held_remat)[:b, b]
+        prev = best[:k, :b]
+        vals = np.where(prev + inner[None, :] <= cap, prev + held[None, :], np.inf)
+        back[1:, b] = vals.argmin(axis=1)
+        best[1:, b] = vals[np.arange(k), back[1:, b]]
+    if not np.isfinite(best[k, n]):
+        return None
+    starts, b = [], n
     for j in range(k, 0, -1):
-        b = best[j][b][1]
-        bounds.append(b)
-    return sorted(bounds)
+        b = int(back[j, b])
+        starts.append(b)
+    return starts[::-1]
 
 
-def plan_segments(graph, segments="sqrt"):
-    """Plans `segments` checkpointed segments over the graph's layer calls.
+def _least_peak_boundaries(spans, k, last_kept):
+    """Start positions of the k segments whose estimated peak is least (the
+    memory model of `_Spans`); among those, the plan holding fewest bytes.
+
+    Bisection over integer byte caps: plans of the even split always fit
+    the estimated peak of the even split."""
+    n = spans.n
+    even = [round(i * n / k) for i in range(k)]
+    held, hi = 0.0, 0.0
+    for i, (a, b) in enumerate(zip(even, even[1:] + [n])):
+        last = last_kept and i == k - 1
+        hi = max(hi, held + spans.inner(a, b, not last))
+        held += spans.held(a, b, not last)
+    lo, hi = 0, int(math.ceil(hi))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fewest_held(spans, k, mid, last_kept) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return _fewest_held(spans, k, lo, last_kept)
+
+
+def plan_segments(graph, segments="sqrt", costs=None):
+    """Plans `segments` segments over the graph's layer calls.
+
+    Boundaries go where the estimated peak of the checkpointed model is
+    least (the memory model of `segment_peaks`: the boundary tensors held
+    for the earlier segments plus one segment's recompute), which puts
+    short segments where activations are big and cuts where few bytes
+    cross.
 
     Args:
         graph: a layer-call graph (see `graphckpt.graph`).
         segments: `"sqrt"` for round(sqrt(n)) segments over n layer calls,
-            or a positive int no larger than n.
+            the last of which runs as it is (its backward pass follows its
+            forward pass at once, so recomputing it would save nothing); or
+            a positive int k no larger than n: k segments, all recomputed.
+        costs: `NodeCosts` for the memory model (default: `graph_costs`).
 
     Returns:
         A `Plan`.
@@ -305,8 +351,11 @@ def plan_segments(graph, segments="sqrt"):
             f"`segments` must be 'sqrt' or an int from 1 to the number of "
             f"layer calls ({n}). Received: segments={segments!r}"
         )
-    bounds = _best_boundaries(crossing_bytes(graph, order), n, k)
-    return plan_from_boundaries(graph, order, bounds, strategy=strategy)
+    last_kept = strategy == "sqrt" and k > 1
+    spans = _spans_for(graph, order, costs or graph_costs(graph))
+    starts = _least_peak_boundaries(spans, k, last_kept)
+    remat = [True] * (k - 1) + [not last_kept]
+    return plan_from_boundaries(graph, order, starts, strategy=strategy, remat=remat)
 
 
 def validate_plan(graph, plan):

@@ -2,6 +2,7 @@
 renderers and error cases through `main(argv)` in this process."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -137,7 +138,9 @@ def test_inspect_json_subprocess_names_every_layer_once(runs, files):
     assert [c for s in info["segments"] for c in s["calls"] if c.startswith("shared")] == ["shared", "shared#1", "shared#2"]
     assert info["batch_size"] == 4
     first = info["segments"][0]
-    assert first["boundary"][0] == {"tensor": "shared", "shape": [None, 8], "dtype": "float32", "bytes": 4 * 8 * 4}
+    out = ck.plan.segments[0].outputs[0]
+    shape = list(build_graph(graphckpt.uncheckpoint(ck)).graph["tensors"][out].shape)
+    assert first["boundary"][0] == {"tensor": out[0], "shape": shape, "dtype": "float32", "bytes": 4 * math.prod(shape[1:]) * 4}
     # The numbers are graphckpt.estimate's, for the file's own plan.
     memory = estimate(graphckpt.uncheckpoint(ck), ck.plan, batch_size=4)
     assert (info["totals"]["baseline_bytes"], info["totals"]["plan_bytes"]) == (memory.baseline_peak_bytes, memory.peak_bytes)

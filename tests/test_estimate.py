@@ -166,7 +166,11 @@ def test_plan_estimate_is_the_planner_model():
         assert s.held_before_bytes == held
         assert s.peak_bytes == e.fixed_bytes + s.held_before_bytes + s.recompute_peak_bytes
         held += s.held_bytes
-    assert e.recompute_flops == pytest.approx(e.forward_flops)  # sqrt recomputes every call once
+    # The sqrt plan recomputes every call once, except in its last segment.
+    assert [s.remat for s in p.segments] == [True] * (len(p.segments) - 1) + [False]
+    last = set(p.segments[-1].nodes)
+    assert e.recompute_flops == pytest.approx(sum(c.flops for c in e.calls if c.node not in last))
+    assert 0 < e.recompute_flops < e.forward_flops
     assert e.smallest_peak_bytes <= e.peak_bytes < e.baseline_peak_bytes
 
 

@@ -80,7 +80,8 @@ def test_loss_history_and_weights_equal_plain_fit(installed):
     for a, b in zip(state_of(model), state_of(plain)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 12
-    assert [s.name for s in segments_of(model)] == ["segment_0", "segment_1", "segment_2"]
+    # round(sqrt(11 calls)) = 3 segments; the last runs inline.
+    assert [s.name for s in segments_of(model)] == ["segment_0", "segment_1"]
     # After fit, the model is the plain model again.
     assert "call" not in model.__dict__
     np.testing.assert_allclose(model.predict(X, verbose=0), plain.predict(X, verbose=0), rtol=1e-4, atol=1e-6)
@@ -166,7 +167,7 @@ def test_sequential_and_multi_output_models(installed):
     fit = dict(x=X, y=Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     (_, h0), (model, h1) = fit_twice(sequential, fit)
     np.testing.assert_allclose(h1.history["loss"], h0.history["loss"], rtol=1e-5)
-    assert len(segments_of(model)) == 2  # round(sqrt(6))
+    assert len(segments_of(model)) == 1  # round(sqrt(6)) = 2; the last runs inline
 
     inputs = {"a": X[:, :6], "b": X[:, 2:]}
     targets = {"main": Y, "side": np.repeat(Y, 3, axis=1)}
