@@ -84,8 +84,10 @@ def plan(model, *, segments="sqrt", budget=None, batch_size=None, policy=None):
 
     Args:
         model: a built functional `keras.Model` or `keras.Sequential`.
-        segments: `"sqrt"` (default: about sqrt(n) segments over n layer
-            calls) or an int from 1 to n. Not with `budget` or `policy`.
+        segments: `"sqrt"` (default: round(sqrt(n)) segments over n layer
+            calls, the last one run inline) or an int k from 1 to n (k
+            segments, all recomputed). Cuts go where the estimated peak is
+            least. Not with `budget` or `policy`.
         budget: a memory budget for the estimated peak training-step
             activation memory: an int of bytes, a string such as `"512MiB"`,
             `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a
@@ -138,8 +140,10 @@ def checkpoint_model(model, *, segments="sqrt", budget=None, batch_size=None, po
 
     Args:
         model: a built functional `keras.Model` or `keras.Sequential`.
-        segments: `"sqrt"` (default: about sqrt(n) segments over n layer
-            calls) or an int from 1 to n. Not with `budget` or `policy`.
+        segments: `"sqrt"` (default: round(sqrt(n)) segments over n layer
+            calls, the last one run inline) or an int k from 1 to n (k
+            segments, all recomputed). Cuts go where the estimated peak is
+            least. Not with `budget` or `policy`.
         budget: a memory budget for the estimated peak training-step
             activation memory: an int of bytes, a string such as `"512MiB"`,
             `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a

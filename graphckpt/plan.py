@@ -9,9 +9,10 @@ Contract:
   topological order that cover every layer call exactly once; a segment's
   `inputs` are the tensors made before it and used inside it, its `outputs`
   the tensors made inside it and used after it (or returned by the model).
-- Works on any DAG: no articulation points are needed. Boundaries where few
-  bytes cross are preferred, so single-tensor cut points win where they
-  exist.
+- Works on any DAG: no articulation points are needed. `plan_segments`
+  cuts where the estimated peak (the memory model below) is least, so
+  segments are short where activations are big and single-tensor cut
+  points win where they exist.
 - Memory budgets: given per-call costs (`NodeCosts`, made by
   `graphckpt.estimate` from a Keras model, or by hand), `plan_for_budget`
   finds the plan of least recompute whose estimated peak fits a budget, and
@@ -31,6 +32,7 @@ References:
 
 import dataclasses
 import math
+import numbers
 
 import networkx as nx
 
@@ -344,8 +346,8 @@ def plan_segments(graph, segments="sqrt", costs=None):
     n = len(order)
     if segments == "sqrt":
         k, strategy = max(1, round(math.sqrt(n))), "sqrt"
-    elif isinstance(segments, int) and not isinstance(segments, bool) and 1 <= segments <= n:
-        k, strategy = segments, "fixed"
+    elif isinstance(segments, numbers.Integral) and not isinstance(segments, bool) and 1 <= segments <= n:
+        k, strategy = int(segments), "fixed"  # numpy ints too
     else:
         raise ValueError(
             f"`segments` must be 'sqrt' or an int from 1 to the number of "

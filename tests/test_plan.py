@@ -185,3 +185,30 @@ def test_plans_on_real_model_graphs_are_valid(name):
     g = build_graph(models.ALL[name]())
     for segments in ("sqrt", 2):
         validate_plan(g, plan_segments(g, segments=segments))
+
+
+def test_numpy_int_segment_count_is_an_int():
+    import numpy as np
+
+    g = literal_graph(chain_edges(12))
+    assert plan_segments(g, segments=np.int64(3)) == plan_segments(g, segments=3)
+    with pytest.raises(ValueError, match="segments"):
+        plan_segments(g, segments=np.float64(3.0))
+
+
+def test_default_plan_runs_its_last_segment_inline():
+    g = literal_graph(chain_edges(16))
+    sqrt = plan_segments(g)
+    assert [s.remat for s in sqrt.segments] == [True, True, True, False]
+    assert all(s.remat for s in plan_segments(g, segments=4).segments)
+    assert plan_segments(literal_graph(chain_edges(2))).segments[0].remat  # one segment: recomputed
+
+
+def test_short_segments_where_activations_are_big():
+    """The first half of this chain makes tensors 100x bigger than the second:
+    the least estimated peak puts more, shorter segments there."""
+    sizes = {f"n{i}": (100 if i <= 12 else 1) for i in range(26)}
+    g = literal_graph(chain_edges(25), sizes)
+    lengths = [len(s.nodes) for s in plan_segments(g, segments=5).segments]
+    assert sum(lengths[:3]) >= 12 and max(lengths[:3]) <= 5  # n1..n12 in three short segments
+    assert lengths[-1] >= 10  # the small tail in one long one
