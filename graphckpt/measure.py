@@ -685,6 +685,17 @@ def _child_run(spec, info, phase):
             raise RuntimeError(
                 f"the allocator of {device} reports no statistics (is TF_CPU_ALLOCATOR_USE_BFC honoured?)"
             )
+    memory_method = (
+        f"tf.config.experimental.get_memory_info({device!r})['peak'] - ['current'] after "
+        f"reset_memory_stats, per train_on_batch step"
+        + (", TF_CPU_ALLOCATOR_USE_BFC=true" if device == "CPU:0" else "")
+    )
+    return _measurement(spec, model, info, device, memory_method, peaks, resident, times, cpu, first)
+
+
+def _measurement(spec, model, info, device, memory_method, peaks, resident, times, cpu, first):
+    """The `Measurement` of a successful run (`peaks` may be empty: no
+    reliable memory counter)."""
     from graphckpt.segment import Segment
 
     return Measurement(
@@ -693,18 +704,14 @@ def _child_run(spec, info, phase):
         builder=spec["builder"],
         ok=True,
         device=device,
-        memory_method=(
-            f"tf.config.experimental.get_memory_info({device!r})['peak'] - ['current'] after "
-            f"reset_memory_stats, per train_on_batch step"
-            + (", TF_CPU_ALLOCATOR_USE_BFC=true" if device == "CPU:0" else "")
-        ),
+        memory_method=memory_method,
         batch_size=spec["batch_size"],
         steps=spec["steps"],
         warmup=spec["warmup"],
         jit_compile=spec["jit_compile"],
-        peak_bytes=max(peaks),
+        peak_bytes=max(peaks) if peaks else None,
         step_peak_bytes=tuple(peaks),
-        resident_bytes=int(resident),
+        resident_bytes=int(resident) if resident is not None else None,
         step_time_s=statistics.median(times),
         step_times_s=tuple(times),
         first_step_s=first,
@@ -872,7 +879,6 @@ def _backend_child_main(spec_path, out_path):
             import numpy as np
 
             import graphckpt
-            from graphckpt.segment import Segment
 
             backend = keras.backend.backend()
             if backend != spec["backend"]:
@@ -928,29 +934,9 @@ def _backend_child_main(spec_path, out_path):
                     peaks.append(int(counters[2]() - resident))
             if not all(np.isfinite(float(v)) for v in logs.values()):
                 raise FloatingPointError(f"non-finite training logs: {logs}")
-        result = Measurement(
-            label=spec["label"],
-            method=spec["method"],
-            builder=spec["builder"],
-            ok=True,
-            device=f"{backend}:{device.upper()}:0",
-            memory_method=counters[3] if counters else f"none: {backend} has no reliable allocator counter on the CPU",
-            batch_size=spec["batch_size"],
-            steps=spec["steps"],
-            warmup=spec["warmup"],
-            jit_compile=spec["jit_compile"],
-            peak_bytes=max(peaks) if peaks else None,
-            step_peak_bytes=tuple(peaks),
-            resident_bytes=int(resident) if resident is not None else None,
-            step_time_s=statistics.median(times),
-            step_times_s=tuple(times),
-            first_step_s=first,
-            step_cpu_s=statistics.median(cpu),
-            model_name=model.name,
-            num_layers=len(model.layers),
-            num_segments=sum(isinstance(layer, Segment) for layer in model.layers),
-            num_params=int(model.count_params()),
-            info=info,
+        memory_method = counters[3] if counters else f"none: {backend} has no reliable allocator counter on the CPU"
+        result = _measurement(
+            spec, model, info, f"{backend}:{device.upper()}:0", memory_method, peaks, resident, times, cpu, first
         )
     except _Failed as e:
         result = _failed(spec, e.phase, e.error, info)
