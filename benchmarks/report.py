@@ -361,6 +361,7 @@ def _meta(results):
     m, v = any_p["machine"], any_p.get("versions", {})
     dates = sorted(p["date"] for p in results.values())
     loads = [p.get("load_avg_start") for p in results.values() if p.get("load_avg_start")]
+    cores = m["cpu_count"]
     return (
         f"- Date: {dates[0]} to {dates[-1]} (UTC)\n"
         f"- Machine: {m.get('cpu_model') or m.get('processor')}, {m['cpu_count']} cores, "
@@ -371,7 +372,12 @@ def _meta(results):
         f"steps per run, optimizer SGD, loss MSE, `jit_compile={any_p['settings']['jit_compile']}`\n"
         f"- Machine load (1-min load average at the start of each family): "
         + ", ".join(f"{ld[0]:.1f}" for ld in loads)
-        + " on 2 cores: the machine was shared, so step times are noisy; memory figures are not.\n"
+        + f" on {cores} cores"
+        + (
+            ": the machine was shared, so step times are noisy; memory figures are not.\n"
+            if max(ld[0] for ld in loads) > cores
+            else " (at or below the core count: little besides the benchmark ran).\n"
+        )
     )
 
 
