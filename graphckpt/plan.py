@@ -40,7 +40,6 @@ __all__ = [
     "PlannedSegment",
     "Plan",
     "topological_order",
-    "crossing_bytes",
     "plan_from_boundaries",
     "plan_segments",
     "graph_costs",
@@ -171,34 +170,6 @@ def _consumers(graph):
         for t in data["tensors"]:
             consumers.setdefault(t, []).append(v)
     return consumers
-
-
-def crossing_bytes(graph, order):
-    """Bytes per example that cross each boundary of `order`.
-
-    Returns a list `c` of length `len(order) + 1`: `c[b]` is the size of the
-    tensors made by `order[:b]` and still needed by `order[b:]` or returned
-    by the model. Model inputs are held by the caller anyway; they count 0.
-    """
-    pos = {n: i for i, n in enumerate(order)}
-    n = len(order)
-    delta = [0] * (n + 2)
-    outputs = set(graph.graph["outputs"])
-    consumers = _consumers(graph)
-    for key, info in graph.graph["tensors"].items():
-        if info.producer not in pos:
-            continue
-        start = pos[info.producer] + 1
-        uses = [pos[c] for c in consumers.get(key, ())]
-        end = n if key in outputs else max(uses, default=start - 1)
-        if end >= start:
-            delta[start] += info.nbytes
-            delta[end + 1] -= info.nbytes
-    running, out = 0, []
-    for b in range(n + 1):
-        running += delta[b]
-        out.append(running)
-    return out
 
 
 def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None):
