@@ -483,8 +483,8 @@ def _costs(graph, batch_size):
     for key in topological_order(graph):
         data = graph.nodes[key]
         node = data["node"]
-        ins = [tensors[tensor_key(t)] for t in node.input_tensors]
-        outs = [tensors[tensor_key(t)] for t in node.outputs]
+        ins = [tensors[k] for k in data["in_keys"]]
+        outs = [tensors[k] for k in data["out_keys"]]
         rule = _rule(data["layer"], ins, outs)
         rules[key] = rule
         saved.update(ins[i].key for i in rule.saved_inputs if i < len(ins) and _is_float(ins[i]))

@@ -4,12 +4,24 @@ Contract:
 - One node per layer *call* (Keras `Node`), keyed `(layer_name, node_index)`:
   a layer shared by two calls gives two nodes. Model inputs are nodes too,
   with `kind="input"`; every other node has `kind="layer"`.
-- A nested functional model or Sequential used as a layer is **one node**;
-  it is not flattened. (To checkpoint inside a nested backbone, checkpoint the
-  backbone itself.)
+- A call of a nested functional model or Sequential is **flattened**: its
+  own layer calls become nodes, keyed by their path (`("resnet50v2/conv1_conv",
+  0)`; a model's second flattened call is `"name@1/..."`), so cuts can fall
+  inside it. Each call of a model called twice is flattened on its own, and
+  its layers are then shared calls like any other. A nested call that could
+  not be replayed call by call exactly (see `_flattenable`: an overridden
+  `call`, extra call arguments, an unused output, an input it ignores) stays
+  one node.
+- Each node's `in_keys` / `out_keys` are the graph keys of its Keras
+  node's `input_tensors` / `outputs`, in order: a flattened model's inner
+  inputs stand for the outer tensors they were called on, and its outer
+  outputs for the inner tensors that compute them.
+- A flattened node's `training` is the `training=` an enclosing nested call
+  passed explicitly (outermost first, as Keras resolves it), or None.
 - One edge per producer -> consumer pair. Its `tensors` attribute lists the
   keys of the tensors that flow along it; a key is
-  `(layer_name, node_index, tensor_index)`, Keras's own `_keras_history`.
+  `(layer_path, node_index, tensor_index)`, Keras's own `_keras_history`
+  with the layer's path for the name.
 - `graph.graph["state_chains"]` lists tuples of layer calls that share
   state (the non-trainable variables of a shared BatchNormalization or
   Dropout; for all Lambda and custom layers, whatever their code may share,
@@ -29,7 +41,7 @@ import math
 
 import networkx as nx
 
-__all__ = ["TensorInfo", "build_graph", "dependencies", "functional_of", "tensor_key"]
+__all__ = ["TensorInfo", "build_graph", "dependencies", "functional_of", "live_tensors", "tensor_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +65,6 @@ def tensor_key(tensor):
     return (op.name, node_index, tensor_index)
 
 
-def _node_key(node):
-    op = node.operation
-    return (op.name, op._inbound_nodes.index(node))
-
-
 def _itemsize(dtype):
     import numpy as np
 
@@ -68,11 +75,11 @@ def _itemsize(dtype):
         return max(int(digits or 32) // 8, 1)
 
 
-def _tensor_info(tensor, producer):
+def _tensor_info(tensor, producer, key):
     shape = tuple(tensor.shape)
     per_example = math.prod(d if d is not None else 1 for d in shape[1:])
     return TensorInfo(
-        key=tensor_key(tensor),
+        key=key,
         producer=producer,
         shape=shape,
         dtype=str(tensor.dtype),
@@ -162,6 +169,151 @@ def _state_chains(graph):
     return list(dict.fromkeys(chains))
 
 
+def _flattenable(node, consumed):
+    """The `Functional` to flatten in place of `node`'s call, or None to keep
+    the call as one node.
+
+    A call of a nested functional model (or built Sequential) is flattened
+    when replaying its layer calls one by one computes exactly what calling
+    the model does: its class runs Keras's own `Functional.call` (no
+    override), it is called on one structure of tensors that matches its
+    inputs in count, dtype and rank (so Keras converts and reshapes nothing),
+    with no argument but `training` and an absent `mask`; every input is
+    read inside it and every output is used outside it (so no call of it
+    becomes dead code that the original would still run).
+    """
+    import keras
+    from keras import tree
+    from keras.src.models.functional import Functional
+
+    op = node.operation
+    if not isinstance(op, keras.Model):
+        return None
+    inner = functional_of(op)
+    if not isinstance(inner, Functional) or type(op).call not in (Functional.call, keras.Sequential.call):
+        return None
+    if type(inner).call is not Functional.call:
+        return None
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    if len(args) != 1 or set(kwargs) - {"training", "mask"} or kwargs.get("mask") is not None:
+        return None
+    outer = tree.flatten(args[0])
+    if len(outer) != len(inner.inputs) or not all(
+        _is_keras_tensor(t) and t.dtype == x.dtype and len(t.shape) == len(x.shape) for t, x in zip(outer, inner.inputs)
+    ):
+        return None
+    try:
+        tree.assert_same_structure(args[0], inner._inputs_struct)
+    except (TypeError, ValueError):
+        if len(outer) != 1:
+            return None
+    read = {id(t) for n in _nodes_of(inner) for t in n.input_tensors} | {id(t) for t in inner.outputs}
+    if not all(id(x) in read for x in inner.inputs) or not all(id(t) in consumed for t in node.outputs):
+        return None
+    return inner
+
+
+def _is_keras_tensor(x):
+    import keras
+
+    return isinstance(x, keras.KerasTensor)
+
+
+def _nodes_of(fn):
+    """`fn`'s nodes in Keras's execution order (inputs first)."""
+    return [node for depth in sorted(fn._nodes_by_depth, reverse=True) for node in fn._nodes_by_depth[depth]]
+
+
+class _Builder:
+    """Adds the layer calls of a functional model to a graph, flattening
+    nested models' calls (see `_flattenable`)."""
+
+    def __init__(self, keep_whole=frozenset()):
+        self.graph = nx.DiGraph()
+        self.tensors = {}
+        self.position = 0
+        self.flattened = {}  # id(nested model) -> how many of its calls so far
+        self.keep_whole = keep_whole  # ids of nested models not to flatten
+
+    def add(self, fn, prefix="", bound=None, training=None, scope=None):
+        """Adds `fn`'s calls; `bound` maps `fn`'s input tensors (ids) to the
+        graph keys they stand for, `training` is what an enclosing call
+        forces. Returns id(KerasTensor of `fn`) -> graph tensor key."""
+        keys = dict(bound or {})
+        nodes = _nodes_of(fn)
+        consumed = {id(t) for n in nodes for t in n.input_tensors} | {id(t) for t in fn.outputs}
+        for node in nodes:
+            if node.is_input:
+                if bound is None:
+                    self._add_node(node, "", [], None, kind="input")
+                    keys[id(node.outputs[0])] = tensor_key(node.outputs[0])
+                continue
+            in_keys = [keys[id(t)] for t in node.input_tensors]
+            inner = None if id(node.operation) in self.keep_whole else _flattenable(node, consumed)
+            if inner is None:
+                out_keys = self._add_node(node, prefix, in_keys, training, scope)
+            else:
+                op = node.operation
+                k = self.flattened.get(id(op), 0)
+                self.flattened[id(op)] = k + 1
+                inner_prefix = f"{prefix}{op.name}{'' if k == 0 else f'@{k}'}/"
+                from keras import tree
+
+                outer = tree.flatten(node.arguments.args[0])
+                inner_bound = {id(x): keys[id(t)] for x, t in zip(inner.inputs, outer)}
+                forced = training if training is not None else node.arguments.kwargs.get("training")
+                inner_keys = self.add(inner, inner_prefix, inner_bound, forced, op)
+                out_keys = [inner_keys[id(x)] for x in inner.outputs]
+            keys.update((id(t), k) for t, k in zip(node.outputs, out_keys))
+        return keys
+
+    def _add_node(self, node, prefix, in_keys, training, scope=None, kind="layer"):
+        op = node.operation
+        key = (prefix + op.name, op._inbound_nodes.index(node))
+        out_keys = [(key[0], key[1], i) for i in range(len(node.outputs))]
+        self.graph.add_node(
+            key,
+            kind=kind,
+            layer=op,
+            class_name=type(op).__name__,
+            position=self.position,
+            node=node,
+            in_keys=tuple(in_keys),
+            out_keys=tuple(out_keys),
+            training=training,
+            scope=scope,
+        )
+        self.position += 1
+        for t, k in zip(node.outputs, out_keys):
+            self.tensors[k] = _tensor_info(t, key, k)
+        for k in dict.fromkeys(in_keys):
+            producer = self.tensors[k].producer
+            edge = self.graph.get_edge_data(producer, key)
+            if edge is None:
+                self.graph.add_edge(producer, key, tensors=(k,))
+            elif k not in edge["tensors"]:
+                edge["tensors"] += (k,)
+        return out_keys
+
+
+def _name_clashes(graph):
+    """Ids of the innermost flattened models whose layers share a name with
+    another layer of the graph. Keras needs the layers of one functional
+    model to have distinct names, and a segment may hold both: such models
+    are kept whole."""
+    by_name = {}
+    for _, data in sorted(graph.nodes(data=True), key=lambda item: item[1]["position"]):
+        by_name.setdefault(data["layer"].name, {}).setdefault(id(data["layer"]), data)
+    clashes = set()
+    for layers in by_name.values():
+        if len(layers) > 1:
+            # The first top-level layer of that name, else the first one
+            # met, keeps it; the models holding the others stay whole.
+            first = min(layers.values(), key=lambda d: (d["scope"] is not None, d["position"]))
+            clashes.update(id(d["scope"]) for d in layers.values() if d is not first)
+    return frozenset(clashes)
+
+
 def build_graph(model):
     """Builds the layer-call graph of a built functional model.
 
@@ -177,37 +329,44 @@ def build_graph(model):
         >>> [k for k, d in g.nodes(data=True) if d["kind"] == "layer"]
     """
     fn = functional_of(model)
-    graph = nx.DiGraph()
-    tensors = {}
-    position = 0
-    for depth in sorted(fn._nodes_by_depth, reverse=True):
-        for node in fn._nodes_by_depth[depth]:
-            key = _node_key(node)
-            graph.add_node(
-                key,
-                kind="input" if node.is_input else "layer",
-                layer=node.operation,
-                class_name=type(node.operation).__name__,
-                position=position,
-                node=node,
-            )
-            position += 1
-            for t in node.outputs:
-                tensors[tensor_key(t)] = _tensor_info(t, key)
-    for key, data in graph.nodes(data=True):
-        if data["kind"] == "input":
-            continue
-        for t in data["node"].input_tensors:
-            tk = tensor_key(t)
-            producer = tensors[tk].producer
-            edge = graph.get_edge_data(producer, key)
-            if edge is None:
-                graph.add_edge(producer, key, tensors=(tk,))
-            elif tk not in edge["tensors"]:
-                edge["tensors"] += (tk,)
-    graph.graph["tensors"] = tensors
+    keep_whole = frozenset()
+    while True:
+        builder = _Builder(keep_whole)
+        keys = builder.add(fn)
+        clashes = _name_clashes(builder.graph)
+        if not clashes:
+            break
+        keep_whole |= clashes
+    graph = builder.graph
+    graph.graph["tensors"] = builder.tensors
     graph.graph["state_chains"] = _state_chains(graph)
-    graph.graph["inputs"] = [tensor_key(t) for t in fn.inputs]
-    graph.graph["outputs"] = [tensor_key(t) for t in fn.outputs]
+    graph.graph["inputs"] = [keys[id(t)] for t in fn.inputs]
+    graph.graph["outputs"] = [keys[id(t)] for t in fn.outputs]
     graph.graph["name"] = model.name
     return graph
+
+
+def live_tensors(graph):
+    """Keys of the graph's tensors that its outputs depend on.
+
+    A call kept whole (a nested model that is not flattened) passes on only
+    the inputs its used outputs read (`dependencies`), so a tensor that only
+    feeds an input it ignores is not live.
+    """
+    import keras
+    from keras.src.models.functional import Functional
+
+    needed = set(graph.graph["outputs"])
+    for key in sorted(graph.nodes, key=lambda n: graph.nodes[n]["position"], reverse=True):
+        data = graph.nodes[key]
+        used = [i for i, k in enumerate(data["out_keys"]) if k in needed]
+        if data["kind"] == "input" or not used:
+            continue
+        op, in_keys = data["layer"], list(data["in_keys"])
+        inner = functional_of(op) if isinstance(op, keras.Model) else None
+        args = data["node"].input_tensors
+        if isinstance(inner, Functional) and len(args) == len(inner.inputs):
+            inner_tensors, _ = dependencies(inner, used)
+            in_keys = [k for k, x in zip(in_keys, inner.inputs) if id(x) in inner_tensors]
+        needed.update(in_keys)
+    return needed

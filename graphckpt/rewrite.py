@@ -16,7 +16,7 @@ from keras import tree
 
 from graphckpt import errors
 from graphckpt.checkpointed import CheckpointedModel
-from graphckpt.graph import dependencies, functional_of, tensor_key
+from graphckpt.graph import functional_of, live_tensors
 from graphckpt.segment import Segment
 
 __all__ = ["rewrite"]
@@ -27,16 +27,19 @@ def _replay(graph, nodes, values, calls):
     tensor key -> tensor), adding the results to `values` and the new Keras
     nodes to `calls`."""
     for node_key in nodes:
-        node = graph.nodes[node_key]["node"]
-        by_id = {id(t): values[tensor_key(t)] for t in node.input_tensors}
+        data = graph.nodes[node_key]
+        node = data["node"]
+        by_id = {id(t): values[k] for t, k in zip(node.input_tensors, data["in_keys"])}
         args, kwargs = node.arguments.fill_in(by_id)
+        if data["training"] is not None and "training" in getattr(node.operation, "_call_context_args", ()):
+            # What the enclosing nested model's call passed on to this call.
+            kwargs["training"] = data["training"]
         try:
             outputs = tree.flatten(node.operation(*args, **kwargs))
         except Exception as e:
             raise _cannot_replay(node.operation, e) from e
         calls.append(node.operation._inbound_nodes[-1])
-        for original, new in zip(node.outputs, outputs):
-            values[tensor_key(original)] = new
+        values.update(zip(data["out_keys"], outputs))
 
 
 def _cannot_replay(layer, error):
@@ -91,13 +94,11 @@ def _segment_model(graph, seg, name):
     return _run_in_call_order(keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model"), calls)
 
 
-def _live(graph, seg, live):
+def _live(seg, live):
     """Indices of `seg`'s outputs the model's outputs depend on (`live`:
-    KerasTensor ids from `dependencies`), or None for all of them."""
-    tensors = graph.graph["tensors"]
-    originals = [graph.nodes[tensors[key].producer]["node"].outputs[key[2]] for key in seg.outputs]
-    indices = [i for i, t in enumerate(originals) if id(t) in live]
-    return None if len(indices) == len(originals) else indices
+    graph tensor keys from `live_tensors`), or None for all of them."""
+    indices = [i for i, key in enumerate(seg.outputs) if key in live]
+    return None if len(indices) == len(seg.outputs) else indices
 
 
 def _unique(name, taken):
@@ -136,29 +137,31 @@ def rewrite(model, graph, plan):
     fn = functional_of(model)
     lengths = _nodes_lengths(graph)
     try:
-        values = {tensor_key(t): t for t in fn.inputs}
+        values = dict(zip(graph.graph["inputs"], fn.inputs))
         taken = {t.name for t in fn.inputs}
         # Segments with `remat=False` (budget plans, policies) call their
         # layers directly in the new model, under their own names.
         inline = {n for seg in plan.segments if not seg.remat for n in seg.nodes}
         taken |= {graph.nodes[n]["layer"].name for n in inline}
         calls = []
-        live = dependencies(model)[0]
+        live = live_tensors(graph)
         for seg in plan.segments:
             if not seg.remat:
                 _replay(graph, seg.nodes, values, calls)
                 continue
             name = _unique(f"segment_{seg.index}", taken)
-            layer = Segment(_segment_model(graph, seg, name), live_outputs=_live(graph, seg, live), name=name)
+            layer = Segment(_segment_model(graph, seg, name), live_outputs=_live(seg, live), name=name)
             outs = layer([values[k] for k in seg.inputs])
             calls.append(layer._inbound_nodes[-1])
             values.update(zip(seg.outputs, outs))
         outputs = []
         for key, original in zip(graph.graph["outputs"], fn.outputs):
             out = values[key]
-            # An output made inline already carries its layer's own name.
-            if key not in graph.graph["inputs"] and graph.graph["tensors"][key].producer not in inline:
-                out_name = _unique(original._keras_history.operation.name, taken)
+            # An output made inline by the original's own output layer
+            # already carries its name.
+            want = original._keras_history.operation.name
+            if out._keras_history.operation.name != want:
+                out_name = _unique(want, taken)
                 identity = keras.layers.Identity(name=out_name)
                 out = identity(out)
                 calls.append(identity._inbound_nodes[-1])

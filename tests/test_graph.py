@@ -34,14 +34,89 @@ def test_shared_layer_gives_one_node_per_call():
     assert len(g.graph["inputs"]) == 2 and len(g.graph["outputs"]) == 2
 
 
-def test_nested_models_are_single_nodes():
+def test_nested_models_are_flattened_into_their_calls():
     model = models.nested()
     g = build_graph(model)
-    block = [n for n in _layer_nodes(g) if g.nodes[n]["class_name"] == "Functional"]
-    seq = [n for n in _layer_nodes(g) if g.nodes[n]["class_name"] == "Sequential"]
-    assert len(block) == 2 and len(seq) == 1  # the block is called twice
-    inner = {id(l) for l in model.get_layer("block").layers}
-    assert not any(id(g.nodes[n]["layer"]) in inner for n in g.nodes)
+    kinds = {d["class_name"] for n, d in g.nodes(data=True)}
+    assert not kinds & {"Functional", "Sequential"}
+    block = model.get_layer("block")
+    names = [n[0] for n in sorted(_layer_nodes(g), key=lambda n: g.nodes[n]["position"])]
+    # Each call of the block is flattened on its own, under its own path;
+    # its layers are then shared calls (the very same objects).
+    prefixes = [n.split("/")[0] if "/" in n else "" for n in names]
+    assert prefixes[:10] == [""] + ["block"] * 3 + ["seq"] * 2 + ["block@1"] * 3 + [""]
+    assert [a.split("/")[1] for a in names[1:4]] == [b.split("/")[1] for b in names[6:9]]
+    for a, b in zip(names[1:4], names[6:9]):
+        (na,) = [n for n in g.nodes if n[0] == a]
+        (nb,) = [n for n in g.nodes if n[0] == b]
+        assert g.nodes[na]["layer"] is g.nodes[nb]["layer"]
+        assert any(g.nodes[na]["layer"] is layer for layer in block.layers)
+    # The inner calls read the outer tensors the block was called on.
+    first = next(n for n in g.nodes if n[0] == names[1])
+    assert [g.graph["tensors"][k].producer[0] for k in g.nodes[first]["in_keys"]] == [names[0]]
+    assert nx.is_directed_acyclic_graph(g)
+
+
+def _block(name="block", outputs=1):
+    i = keras.Input((4,))
+    h = layers.Dense(4)(i)
+    outs = [layers.Dense(4)(h) for _ in range(outputs)]
+    return keras.Model(i, outs if outputs > 1 else outs[0], name=name)
+
+
+def _whole(g):
+    return [n[0] for n, d in g.nodes(data=True) if d["class_name"] in ("Functional", "Sequential", "Custom")]
+
+
+def test_nested_calls_that_cannot_be_replayed_call_by_call_stay_whole():
+    inp = keras.Input((4,))
+    # An unused output: flattening would make its branch dead code.
+    two = _block("two", outputs=2)
+    a, _ = two(inp)
+    # An overridden `call`: replaying the layers would skip it.
+
+    class Custom(keras.Model):
+        def call(self, inputs, training=None):
+            return super().call(inputs, training=training) * 2.0
+
+    ci = keras.Input((4,))
+    custom = Custom(ci, layers.Dense(4)(ci), name="custom")
+    b = custom(a)
+    # A dtype the nested model would convert on the way in.
+    i16 = keras.Input((4,), dtype="float16")
+    cast = keras.Model(i16, layers.Dense(4, dtype="float16")(i16), name="cast")
+    c = cast(b)
+    out = _block("plain")(layers.Dense(4)(c))
+    g = build_graph(keras.Model(inp, out))
+    assert sorted(_whole(g)) == ["cast", "custom", "two"]
+    assert any(n[0].startswith("plain/") for n in g.nodes)
+
+
+def test_a_nested_model_whose_layer_names_clash_stays_whole():
+    inp = keras.Input((4,))
+    first, second = _block("first"), _block("second")
+    # Two backbones loaded from files have the same inner layer names.
+    second.layers[1].name = first.layers[1].name
+    model = keras.Model(inp, second(first(inp)))
+    g = build_graph(model)
+    assert _whole(g) == ["second"]
+    layers_by_name = {}
+    for _, d in g.nodes(data=True):
+        layers_by_name.setdefault(d["layer"].name, set()).add(id(d["layer"]))
+    assert all(len(v) == 1 for v in layers_by_name.values())
+    import graphckpt
+
+    graphckpt.checkpoint_model(model, segments=2)  # Keras accepts every segment's names
+
+
+def test_explicit_training_of_a_nested_call_reaches_its_layers():
+    inner = _block("frozen")
+    inp = keras.Input((4,))
+    out = layers.Dense(1)(inner(inp, training=False))
+    g = build_graph(keras.Model(inp, out))
+    flat = [d for n, d in g.nodes(data=True) if n[0].startswith("frozen/")]
+    assert flat and all(d["training"] is False for d in flat)
+    assert all(d["training"] is None for n, d in g.nodes(data=True) if not n[0].startswith("frozen/"))
 
 
 def test_same_tensor_twice_is_one_edge_entry():
