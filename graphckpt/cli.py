@@ -166,10 +166,11 @@ def _tensor_name(key, ordinals, graph):
 def describe(model, graph, plan, batch_size=None):
     """Plain data about a plan: what `inspect` prints, and its JSON.
 
-    Every layer of the model is named exactly once: in `layers` of the
-    first segment that calls it, or in `outside` (model inputs). `calls`
-    lists each segment's layer calls; a layer's k-th call (k > 0) is
-    written `name#k`.
+    Every layer of the model is named exactly once, by its path inside
+    nested models (`resnet50v2/conv1_conv`; a nested model's second call
+    is `name@1/...`): in `layers` of the first segment that calls it, or in
+    `outside` (model inputs). `calls` lists each segment's layer calls; a
+    path's k-th call (k > 0) is written `path#k`.
     """
     from graphckpt.checkpointed import _call_ordinals
     from graphckpt.estimate import estimate

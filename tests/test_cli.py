@@ -112,9 +112,10 @@ def _error_lines(stderr):
 
 
 def check_coverage(info, model):
-    """Every layer named once, every layer call listed once."""
+    """Every layer named once (by its path inside nested models), every
+    layer call listed once."""
     named = [name for seg in info["segments"] for name in seg["layers"]] + info["outside"]
-    assert sorted(named) == sorted(l.name for l in model.layers)
+    assert sorted(named) == sorted({n[0] for n in build_graph(model).nodes})
     calls = [c for seg in info["segments"] for c in seg["calls"]]
     assert len(calls) == len(set(calls)) == info["num_layer_calls"]
     assert [seg["index"] for seg in info["segments"]] == list(range(len(info["segments"])))
@@ -201,7 +202,11 @@ def test_inspect_nested_json_and_dot(capsys, files):
     info = json.loads(out)
     model = keras.saving.load_model(files["nested"])
     check_coverage(info, model)
-    assert "block#1" in [c for s in info["segments"] for c in s["calls"]]  # called twice
+    calls = [c for s in info["segments"] for c in s["calls"]]
+    # Inside the block, called twice: each call's layers under its own path.
+    block = model.get_layer("block")
+    for layer in block.layers[1:]:
+        assert f"block/{layer.name}" in calls and f"block@1/{layer.name}" in calls
 
     code, out, _ = run_main(capsys, "inspect", files["nested"], "--format", "dot")
     assert code == 0
