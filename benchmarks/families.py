@@ -96,3 +96,13 @@ def resnet50v2(size=128, classes=10):
 def densenet121(size=128, classes=10):
     """`keras.applications.DenseNet121`, `weights=None`, at `size` x `size`."""
     return keras.applications.DenseNet121(weights=None, input_shape=(size, size, 3), classes=classes)
+
+
+def nested_resnet50v2(size=128, classes=10):
+    """Keras's transfer-learning pattern: `keras.applications.ResNet50V2`
+    (`include_top=False`, `weights=None`) called as one layer, then global
+    average pooling and a Dense head."""
+    base = keras.applications.ResNet50V2(include_top=False, weights=None, input_shape=(size, size, 3))
+    inp = keras.Input((size, size, 3), name="image")
+    x = layers.GlobalAveragePooling2D()(base(inp))
+    return keras.Model(inp, layers.Dense(classes)(x), name="nested_resnet50v2")

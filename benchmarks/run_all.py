@@ -87,6 +87,14 @@ FAMILIES = {
         quick=dict(kwargs=dict(size=32), batch=2),
         target=(0.60, 1.45, True),
     ),
+    "nested_resnet50v2": dict(
+        title="ResNet50V2 backbone called as one layer (transfer-learning pattern), weights=None, 128x128",
+        builder="nested_resnet50v2",
+        kwargs=dict(size=128),
+        batch=8,
+        quick=dict(kwargs=dict(size=32), batch=2),
+        target=(0.40, 1.45, False),
+    ),
     "densenet121": dict(
         title="keras.applications.DenseNet121, weights=None, 128x128",
         builder="densenet121",

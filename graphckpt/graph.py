@@ -178,7 +178,7 @@ def _flattenable(node, consumed):
     the model does: its class runs Keras's own `Functional.call` (no
     override), it is called on one structure of tensors that matches its
     inputs in count, dtype and rank (so Keras converts and reshapes nothing),
-    with no argument but `training` and an absent `mask`; every input is
+    with no argument but `training` and no mask; every input is
     read inside it and every output is used outside it (so no call of it
     becomes dead code that the original would still run).
     """
@@ -195,8 +195,10 @@ def _flattenable(node, consumed):
     if type(inner).call is not Functional.call:
         return None
     args, kwargs = node.arguments.args, node.arguments.kwargs
-    if len(args) != 1 or set(kwargs) - {"training", "mask"} or kwargs.get("mask") is not None:
+    if len(args) != 1 or set(kwargs) - {"training", "mask"}:
         return None
+    if any(m is not None for m in tree.flatten(kwargs.get("mask"))):
+        return None  # Keras fills in `mask` itself, all None without masks
     outer = tree.flatten(args[0])
     if len(outer) != len(inner.inputs) or not all(
         _is_keras_tensor(t) and t.dtype == x.dtype and len(t.shape) == len(x.shape) for t, x in zip(outer, inner.inputs)
