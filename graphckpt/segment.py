@@ -22,6 +22,10 @@ Recompute that differs from the forward pass gives wrong gradients, so:
   to this layer, so their gradients flow. Weight regularizers are computed
   from the variables by `Model.losses` and need nothing here.
 - **Masks** cross the segment boundary explicitly, both ways.
+- **Logits.** A softmax or sigmoid output carries its logits
+  (`_keras_logits`), from which TensorFlow's crossentropy losses compute
+  the loss instead of from clipped probabilities. They are returned from the
+  rematerialized function too, and attached to the output again.
 - Only floating-point inputs are arguments of the rematerialized function;
   integer and boolean inputs are closed over. `training` is bound in the
   closure, never passed as a keyword (keras-team/keras#21207).
@@ -86,8 +90,16 @@ def _remat(f):
                 id_args = [tf.identity(x) for x in args]
                 if not context.executing_eagerly():
                     # As tf.recompute_grad: recompute once dresult exists
-                    # (a data dependency, which XLA respects).
-                    elem = tf.reduce_max(tf.reshape(dresult[0], [-1])[:1])
+                    # (a data dependency, which XLA respects). On every
+                    # result's gradient, not only the first: TensorFlow
+                    # fills an unused result's with zeros made in the
+                    # forward pass (probabilities whose loss reads logits).
+                    firsts = [
+                        tf.cast(tf.reshape(d, [-1])[:1], tf.float32)
+                        for d in dresult
+                        if d is not None and d.dtype.is_floating
+                    ]
+                    elem = tf.reduce_max(tf.concat(firsts or [tf.zeros([1])], 0))
                     ok = tf.cast(elem, tf.bool)
                     dep = tf.where(ok == ok, 0.0, float("nan"))
                     id_args = [x + tf.cast(dep, x.dtype) for x in id_args]
@@ -115,6 +127,15 @@ def _remat(f):
         return result, grad
 
     return inner
+
+
+def _attach_logits(output, logits):
+    """Attaches `logits` to `output` as Keras's softmax and sigmoid do
+    (`_keras_logits`), where the backend's tensors take attributes."""
+    try:
+        output._keras_logits = logits
+    except AttributeError:  # a C-type tensor, as Keras itself allows
+        pass
 
 
 def _global_seed_state():
@@ -168,14 +189,16 @@ class Segment(keras.layers.Layer):
         # Recompute counter; tests use it to prove recompute happens (eager).
         self.forward_calls = 0
         self.live_outputs = None if live_outputs is None else tuple(int(i) for i in live_outputs)
-        self._read_ids = None  # ids, not variables: Keras would track a list of variables
 
     def _unread_trainable(self):
         """Trainable variables of the sub-model that none of its live
-        outputs depends on (e.g. behind an unused output of a nested model)."""
-        if self._read_ids is None:
-            self._read_ids = frozenset(id(v) for v in dependencies(self.model, self.live_outputs)[1])
-        return [v for v in self.model.trainable_variables if id(v) not in self._read_ids]
+        outputs depends on (e.g. behind an unused output of a nested model).
+
+        Looked up at every call, never cached: `trainable` flags change
+        between calls (freeze, train the head, unfreeze, recompile), and a
+        variable unfrozen since must get its gradient again."""
+        read = {id(v) for v in dependencies(self.model, self.live_outputs)[1]}
+        return [v for v in self.model.trainable_variables if id(v) not in read]
 
     def call(self, inputs, training=None, mask=None):
         inputs = list(inputs)
@@ -215,6 +238,7 @@ class Segment(keras.layers.Layer):
                 outs = model(xs, training=True, mask=masks)
                 outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
                 out_masks = [keras_backend.get_keras_mask(o) for o in outs]
+                out_logits = [getattr(o, "_keras_logits", None) for o in outs]
                 updated = [
                     i
                     for i, v in enumerate(state)
@@ -231,6 +255,9 @@ class Segment(keras.layers.Layer):
                 # reads the gradient of the *first* result, which must not be
                 # the (absent) gradient of a boolean or integer output.
                 tuple(sorted(range(len(outs)), key=lambda i: not _is_float(outs[i]))),
+                # Softmax and sigmoid outputs carry their logits, which
+                # crossentropy losses read instead of clipped probabilities.
+                tuple(i for i, x in enumerate(out_logits) if x is not None),
             )
             if layout.setdefault("found", found) != found:
                 raise RuntimeError(
@@ -239,14 +266,18 @@ class Segment(keras.layers.Layer):
                 )
             # Masks travel as floats: no gradient, no bool arithmetic in remat.
             float_masks = [ops.cast(out_masks[i], "float32") for i in found[1]]
-            return tuple([outs[i] for i in found[4]] + float_masks + new_state + losses)
+            logits = [out_logits[i] for i in found[5]]
+            return tuple([outs[i] for i in found[4]] + logits + float_masks + new_state + losses)
 
         results = list(_remat(forward)(*[inputs[i] for i in float_idx]))
-        n_out, masked, updated, n_losses, out_order = layout["found"]
+        n_out, masked, updated, n_losses, out_order, with_logits = layout["found"]
         outs = [None] * n_out
         for i, x in zip(out_order, results[:n_out]):
             outs[i] = x
         rest = results[n_out:]
+        for i, x in zip(with_logits, rest[: len(with_logits)]):
+            _attach_logits(outs[i], x)
+        rest = rest[len(with_logits) :]
         for i, m in zip(masked, rest[: len(masked)]):
             keras_backend.set_keras_mask(outs[i], ops.cast(m, "bool"))
         rest = rest[len(masked) :]
