@@ -34,6 +34,8 @@ With `training` false or None the sub-model is called directly: inference
 never takes the rematerialization path.
 """
 
+import contextlib
+
 import keras
 from keras import ops
 
@@ -57,6 +59,25 @@ def _snapshot(variable):
     if backend == "torch":
         return value.detach().clone()
     return value  # jax and numpy arrays are immutable
+
+
+@contextlib.contextmanager
+def _no_autocast():
+    """Leaves any autocast scope for the duration.
+
+    Under an autocast scope (a mixed-precision layer's call) a variable's
+    `value` and `dtype` follow the scope's dtype, so a snapshot taken there,
+    or a `StatelessScope` made there, would round float32 weights and state
+    to float16 where the original model reads them in full (a float32
+    layer in a `mixed_float16` model)."""
+    from keras.src.backend.common import global_state
+
+    saved = global_state.get_global_attribute("autocast_scope")
+    global_state.set_global_attribute("autocast_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("autocast_scope", saved)
 
 
 def _is_float(x):
@@ -213,7 +234,8 @@ class Segment(keras.layers.Layer):
         state = [v for v in model.variables if not v.trainable]
         state += [v for v in _global_seed_state() if all(v is not s for s in state)]
         trainable = [v for v in model.variables if v.trainable]
-        snapshot = [_snapshot(v) for v in state]
+        with _no_autocast():
+            snapshot = [_snapshot(v) for v in state]
         # Under an enclosing StatelessScope, trainable values live there.
         outer = _outer_values(trainable)
         mapping = list(zip(state, snapshot))
@@ -224,7 +246,8 @@ class Segment(keras.layers.Layer):
             # gradient, zeros where none flows; the original gives None, and
             # optimizers skip None (no weight decay, no momentum step). So
             # variables no output depends on are read as snapshots instead.
-            mapping += [(v, _snapshot(v)) for v in self._unread_trainable()]
+            with _no_autocast():
+                mapping += [(v, _snapshot(v)) for v in self._unread_trainable()]
         float_idx = [i for i, x in enumerate(inputs) if _is_float(x)]
         layout = {}
 
@@ -233,7 +256,9 @@ class Segment(keras.layers.Layer):
             xs = list(inputs)
             for i, x in zip(float_idx, float_args):
                 xs[i] = x
-            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            with _no_autocast():
+                scope = keras.StatelessScope(state_mapping=mapping, collect_losses=True)
+            with scope:
                 before = dict(scope.state_mapping)
                 outs = model(xs, training=True, mask=masks)
                 outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]

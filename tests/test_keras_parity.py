@@ -249,6 +249,31 @@ def test_float32_output_under_mixed_precision(policy, last):
         assert int(to_numpy(ck.optimizer.iterations)) == int(to_numpy(reference.optimizer.iterations)) == 8
 
 
+def _mixed_with_float32_inside(seed=10):
+    """Mixed layers around a float32 Dense, frozen: its kernel is state a
+    segment snapshots, and must read in full precision, as the original."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8,))
+    x = layers.Dense(16, activation="tanh")(inp)
+    frozen = layers.Dense(16, activation="tanh", dtype="float32", trainable=False, name="float32_frozen")
+    x = layers.Dense(16, activation="tanh")(frozen(x))
+    x = layers.Dense(16, activation="tanh")(x)
+    return keras.Model(inp, layers.Dense(1, dtype="float32")(x))
+
+
+@pytest.mark.backends
+def test_float32_layer_inside_a_mixed_precision_segment():
+    keras.config.set_dtype_policy("mixed_float16")
+    reference, model = _mixed_with_float32_inside(), _mixed_with_float32_inside()
+    ck = graphckpt.checkpoint_model(model, segments=2)
+    assert "float32_frozen" in [l.name for seg in ck.layers if isinstance(seg, Segment) for l in seg.model.layers]
+    np.testing.assert_allclose(to_numpy(ck(X, training=True)), to_numpy(model(X, training=True)), atol=1e-6)
+    expected = _fit_steps(reference)
+    actual = _fit_steps(ck)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5)
+    assert_same_weights(weights(model), weights(reference), atol=1e-5)
+
+
 @pytest.mark.backends
 def test_checkpointed_model_takes_its_sources_dtype_policy():
     keras.config.set_dtype_policy("mixed_float16")
