@@ -113,6 +113,18 @@ def _kept_plan(graph, strategy):
     return plan_from_boundaries(graph, order, [0], strategy=strategy, remat=[False])
 
 
+def _empty_plan(graph, segments, budget, policy_name):
+    """`(plan, unchanged)` for a model without layer calls (`Model(i, i)`):
+    no segments, and why nothing changes. A budget is still checked."""
+    if budget is not None:
+        parse_budget(budget)
+        strategy = "budget"
+    else:
+        strategy = "policy" if policy_name else ("sqrt" if segments == "sqrt" else "fixed")
+    the_plan = plan_from_boundaries(graph, (), [], strategy=strategy)
+    return the_plan, "it has no layer calls (its outputs are its inputs), so there is nothing to recompute"
+
+
 def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=None):
     """Plans `graph` for the arguments of `graphckpt.plan`.
 
@@ -146,6 +158,8 @@ def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=
         policy_name, policy_fn = policies.resolve(policy)
     except ValueError as e:
         raise errors.InvalidArgumentError(str(e)) from None
+    if not topological_order(graph):
+        return _empty_plan(graph, segments, budget, policy_name)
     costs = node_costs(graph, batch_size)
     if budget is None and policy is None:
         try:

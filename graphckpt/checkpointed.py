@@ -95,6 +95,11 @@ class CheckpointedModel(keras.Model):
 
     def __init__(self, inputs, outputs, *, source, plan, name=None, **kwargs):
         super().__init__(inputs=inputs, outputs=outputs, name=name, **kwargs)
+        # The source's dtype policy, not the global one now: `compile` wraps
+        # the optimizer for loss scaling by the model's policy. (Functional
+        # ignores `dtype=`; the public setter would quantize on a quantized
+        # policy, so set it as `Layer.__init__` does.)
+        self._dtype_policy = source.dtype_policy
         object.__setattr__(self, "_graphckpt_recipe", _Recipe(source, plan))
 
     @property

@@ -29,6 +29,7 @@ loss and metrics, `History`, callbacks, `validation_data`, `class_weight`.
 import dataclasses
 import functools
 import inspect
+import numbers
 import warnings
 import weakref
 
@@ -74,8 +75,11 @@ def _check_flag(gradient_checkpointing, budget):
         return None if budget is None else {"budget": budget}
     if flag is True:
         return {} if budget is None else {"budget": budget}
-    if flag == "sqrt" or (isinstance(flag, int) and not isinstance(flag, bool) and flag >= 1):
-        return {"segments": flag} if budget is None else {"segments": flag, "budget": budget}
+    # Any integer (numpy's too, as `segments=` takes them), but not a bool.
+    count = isinstance(flag, numbers.Integral) and not isinstance(flag, bool) and flag >= 1
+    if count or (isinstance(flag, str) and flag == "sqrt"):
+        segments = int(flag) if count else flag
+        return {"segments": segments} if budget is None else {"segments": segments, "budget": budget}
     raise errors.InvalidArgumentError(
         "`gradient_checkpointing` must be True, False, None, 'sqrt' or a positive int (a number of "
         f"segments). Received: gradient_checkpointing={flag!r}. Tip: use True for sqrt(n) segments."

@@ -110,8 +110,9 @@ def dependencies(model, outputs=None):
 
     Returns:
         `(tensors, variables)`: the ids of the model's KerasTensors the
-        outputs depend on (outputs and inputs included), and the trainable
-        variables read on the way.
+        outputs depend on (outputs and inputs included), and the variables
+        of the layers on the way, trainable or not: `trainable` flags change
+        (freezing, unfreezing), so callers filter them when they use them.
     """
     import keras
 
@@ -130,7 +131,7 @@ def dependencies(model, outputs=None):
                 inner_tensors, variables = dependencies(inner, used)
                 args = [a for a, x in zip(args, inner.inputs) if id(x) in inner_tensors]
             else:
-                variables = getattr(op, "trainable_variables", ())  # ops have none
+                variables = getattr(op, "variables", ())  # ops have none
             read.update((id(v), v) for v in variables)
             needed.update(id(t) for t in args)
     return needed, list(read.values())

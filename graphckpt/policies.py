@@ -56,7 +56,8 @@ def resolve(policy):
     """A policy argument -> (name, callable), or (None, None) for no policy.
 
     Raises:
-        ValueError: `policy` is neither a known name nor a callable.
+        ValueError: `policy` is neither a known name nor a callable, or is
+            a class (such as `save_these_layers` without its arguments).
     """
     if policy is None:
         return None, None
@@ -67,6 +68,13 @@ def resolve(policy):
                 f"{sorted(NAMED)}, a callable `policy(layer) -> bool`, or None"
             )
         return policy, NAMED[policy]
+    if isinstance(policy, type):
+        # A class is callable too: `save_these_layers(layer)` would build a
+        # policy naming that layer, which is true, so every call is saved.
+        raise ValueError(
+            f"`policy` must be a policy, not a class. Received: policy={policy!r}. Tip: "
+            f"create one with its arguments, e.g. policy={policy.__name__}('conv1', 'Conv2D')."
+        )
     if callable(policy):
         name = getattr(policy, "__name__", None) or repr(policy)
         return name, policy

@@ -19,7 +19,35 @@ from graphckpt.checkpointed import CheckpointedModel
 from graphckpt.graph import functional_of, live_tensors
 from graphckpt.segment import Segment
 
-__all__ = ["rewrite"]
+__all__ = ["rewrite", "OutputName"]
+
+
+@keras.saving.register_keras_serializable(package="graphckpt")
+class OutputName(keras.layers.Layer):
+    """Gives a checkpointed model's output its original name, and changes
+    nothing else.
+
+    Keras names a model's outputs after the layers that make them, and a
+    loss or metric dict is keyed by those names. An output made inside a
+    segment needs a layer of its own with that name. This one returns its
+    input as it is: the same tensor, with its dtype, mask and logits
+    (`_keras_logits`). An `Identity` layer would cast it to its own dtype
+    policy (float16 under `mixed_float16`, where the original output may be
+    float32).
+    """
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("autocast", False)
+        super().__init__(**kwargs)
+        self.supports_masking = True
+        self._convert_input_args = False  # no cast to this layer's policy
+        self.built = True
+
+    def call(self, inputs):
+        return inputs
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor(inputs.shape, dtype=inputs.dtype, sparse=inputs.sparse, ragged=inputs.ragged)
 
 
 def _replay(graph, nodes, values, calls):
@@ -78,8 +106,9 @@ def _run_in_call_order(fn, calls):
     return fn
 
 
-def _segment_model(graph, seg, name):
-    """The functional sub-model of one planned segment."""
+def _segment_model(graph, seg, name, policy):
+    """The functional sub-model of one planned segment, with the source
+    model's dtype `policy`."""
     tensors = graph.graph["tensors"]
     values = {}
     inputs = []
@@ -91,7 +120,12 @@ def _segment_model(graph, seg, name):
     calls = []
     _replay(graph, seg.nodes, values, calls)
     outputs = [values[key] for key in seg.outputs]
-    return _run_in_call_order(keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model"), calls)
+    sub = keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model")
+    # A model's policy sets the autocast scope its layers run in; Functional
+    # ignores `dtype=`, and the public setter would quantize on a quantized
+    # policy, so set it as `Layer.__init__` does.
+    sub._dtype_policy = policy
+    return _run_in_call_order(sub, calls)
 
 
 def _live(seg, live):
@@ -101,12 +135,37 @@ def _live(seg, live):
     return None if len(indices) == len(seg.outputs) else indices
 
 
-def _unique(name, taken):
+def _unique(name, taken, avoid=lambda candidate: False):
+    """`name`, or `name_1`, `name_2`, ...: the first not in `taken` nor
+    refused by `avoid`; it is added to `taken`."""
     candidate, i = name, 1
-    while candidate in taken:
+    while candidate in taken or avoid(candidate):
         candidate, i = f"{name}_{i}", i + 1
     taken.add(candidate)
     return candidate
+
+
+def _source_names(model, graph):
+    """Every layer and input name in `model`, at any depth: a generated
+    name must not take one (an output layer named `segment_1` keeps its
+    name, so a loss dict keyed by it still applies)."""
+    names = {t.name for t in functional_of(model).inputs}
+    for _, data in graph.nodes(data=True):
+        layer = data["layer"]
+        inner = layer._flatten_layers() if isinstance(layer, keras.layers.Layer) else [layer]
+        names.update(op.name for op in inner)
+    return names
+
+
+def _segment_name(seg, taken, source_names):
+    """A name for `seg`'s layer whose derived names (`_model`, `_in<k>`)
+    are free too."""
+
+    def clashes(name):
+        derived = {name, f"{name}_model"} | {f"{name}_in{k}" for k in range(len(seg.inputs))}
+        return bool(derived & source_names)
+
+    return _unique(f"segment_{seg.index}", taken, avoid=clashes)
 
 
 def _nodes_lengths(graph):
@@ -130,11 +189,14 @@ def rewrite(model, graph, plan):
 
     Returns:
         A new `CheckpointedModel` (a functional `keras.Model`) with the same
-        inputs and output structure, whose layers are `Segment`s (plus one
-        `Identity` per output, which keeps the original output names). It
-        remembers `model` and `plan`, which is what it saves.
+        inputs and output structure and the same dtype policy, whose layers
+        are `Segment`s (plus one `OutputName` per output made in a segment,
+        which keeps the original output name). It remembers `model` and
+        `plan`, which is what it saves.
     """
     fn = functional_of(model)
+    policy = model.dtype_policy
+    source_names = _source_names(model, graph)
     lengths = _nodes_lengths(graph)
     try:
         values = dict(zip(graph.graph["inputs"], fn.inputs))
@@ -149,8 +211,9 @@ def rewrite(model, graph, plan):
             if not seg.remat:
                 _replay(graph, seg.nodes, values, calls)
                 continue
-            name = _unique(f"segment_{seg.index}", taken)
-            layer = Segment(_segment_model(graph, seg, name), live_outputs=_live(seg, live), name=name)
+            name = _segment_name(seg, taken, source_names)
+            sub = _segment_model(graph, seg, name, policy)
+            layer = Segment(sub, live_outputs=_live(seg, live), name=name, dtype=policy)
             outs = layer([values[k] for k in seg.inputs])
             calls.append(layer._inbound_nodes[-1])
             values.update(zip(seg.outputs, outs))
@@ -161,10 +224,9 @@ def rewrite(model, graph, plan):
             # already carries its name.
             want = original._keras_history.operation.name
             if out._keras_history.operation.name != want:
-                out_name = _unique(want, taken)
-                identity = keras.layers.Identity(name=out_name)
-                out = identity(out)
-                calls.append(identity._inbound_nodes[-1])
+                named = OutputName(name=_unique(want, taken), dtype=policy)
+                out = named(out)
+                calls.append(named._inbound_nodes[-1])
             outputs.append(out)
         outputs = tree.pack_sequence_as(fn._outputs_struct, outputs)
         checkpointed = CheckpointedModel(

@@ -22,6 +22,10 @@ Recompute that differs from the forward pass gives wrong gradients, so:
   to this layer, so their gradients flow. Weight regularizers are computed
   from the variables by `Model.losses` and need nothing here.
 - **Masks** cross the segment boundary explicitly, both ways.
+- **Logits.** A softmax or sigmoid output carries its logits
+  (`_keras_logits`), from which TensorFlow's crossentropy losses compute
+  the loss instead of from clipped probabilities. They are returned from the
+  rematerialized function too, and attached to the output again.
 - Only floating-point inputs are arguments of the rematerialized function;
   integer and boolean inputs are closed over. `training` is bound in the
   closure, never passed as a keyword (keras-team/keras#21207).
@@ -29,6 +33,8 @@ Recompute that differs from the forward pass gives wrong gradients, so:
 With `training` false or None the sub-model is called directly: inference
 never takes the rematerialization path.
 """
+
+import contextlib
 
 import keras
 from keras import ops
@@ -53,6 +59,25 @@ def _snapshot(variable):
     if backend == "torch":
         return value.detach().clone()
     return value  # jax and numpy arrays are immutable
+
+
+@contextlib.contextmanager
+def _no_autocast():
+    """Leaves any autocast scope for the duration.
+
+    Under an autocast scope (a mixed-precision layer's call) a variable's
+    `value` and `dtype` follow the scope's dtype, so a snapshot taken there,
+    or a `StatelessScope` made there, would round float32 weights and state
+    to float16 where the original model reads them in full (a float32
+    layer in a `mixed_float16` model)."""
+    from keras.src.backend.common import global_state
+
+    saved = global_state.get_global_attribute("autocast_scope")
+    global_state.set_global_attribute("autocast_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("autocast_scope", saved)
 
 
 def _is_float(x):
@@ -86,8 +111,16 @@ def _remat(f):
                 id_args = [tf.identity(x) for x in args]
                 if not context.executing_eagerly():
                     # As tf.recompute_grad: recompute once dresult exists
-                    # (a data dependency, which XLA respects).
-                    elem = tf.reduce_max(tf.reshape(dresult[0], [-1])[:1])
+                    # (a data dependency, which XLA respects). On every
+                    # result's gradient, not only the first: TensorFlow
+                    # fills an unused result's with zeros made in the
+                    # forward pass (probabilities whose loss reads logits).
+                    firsts = [
+                        tf.cast(tf.reshape(d, [-1])[:1], tf.float32)
+                        for d in dresult
+                        if d is not None and d.dtype.is_floating
+                    ]
+                    elem = tf.reduce_max(tf.concat(firsts or [tf.zeros([1])], 0))
                     ok = tf.cast(elem, tf.bool)
                     dep = tf.where(ok == ok, 0.0, float("nan"))
                     id_args = [x + tf.cast(dep, x.dtype) for x in id_args]
@@ -115,6 +148,15 @@ def _remat(f):
         return result, grad
 
     return inner
+
+
+def _attach_logits(output, logits):
+    """Attaches `logits` to `output` as Keras's softmax and sigmoid do
+    (`_keras_logits`), where the backend's tensors take attributes."""
+    try:
+        output._keras_logits = logits
+    except AttributeError:  # a C-type tensor, as Keras itself allows
+        pass
 
 
 def _global_seed_state():
@@ -168,14 +210,16 @@ class Segment(keras.layers.Layer):
         # Recompute counter; tests use it to prove recompute happens (eager).
         self.forward_calls = 0
         self.live_outputs = None if live_outputs is None else tuple(int(i) for i in live_outputs)
-        self._read_ids = None  # ids, not variables: Keras would track a list of variables
 
     def _unread_trainable(self):
         """Trainable variables of the sub-model that none of its live
-        outputs depends on (e.g. behind an unused output of a nested model)."""
-        if self._read_ids is None:
-            self._read_ids = frozenset(id(v) for v in dependencies(self.model, self.live_outputs)[1])
-        return [v for v in self.model.trainable_variables if id(v) not in self._read_ids]
+        outputs depends on (e.g. behind an unused output of a nested model).
+
+        Looked up at every call, never cached: `trainable` flags change
+        between calls (freeze, train the head, unfreeze, recompile), and a
+        variable unfrozen since must get its gradient again."""
+        read = {id(v) for v in dependencies(self.model, self.live_outputs)[1]}
+        return [v for v in self.model.trainable_variables if id(v) not in read]
 
     def call(self, inputs, training=None, mask=None):
         inputs = list(inputs)
@@ -190,7 +234,8 @@ class Segment(keras.layers.Layer):
         state = [v for v in model.variables if not v.trainable]
         state += [v for v in _global_seed_state() if all(v is not s for s in state)]
         trainable = [v for v in model.variables if v.trainable]
-        snapshot = [_snapshot(v) for v in state]
+        with _no_autocast():
+            snapshot = [_snapshot(v) for v in state]
         # Under an enclosing StatelessScope, trainable values live there.
         outer = _outer_values(trainable)
         mapping = list(zip(state, snapshot))
@@ -201,7 +246,8 @@ class Segment(keras.layers.Layer):
             # gradient, zeros where none flows; the original gives None, and
             # optimizers skip None (no weight decay, no momentum step). So
             # variables no output depends on are read as snapshots instead.
-            mapping += [(v, _snapshot(v)) for v in self._unread_trainable()]
+            with _no_autocast():
+                mapping += [(v, _snapshot(v)) for v in self._unread_trainable()]
         float_idx = [i for i, x in enumerate(inputs) if _is_float(x)]
         layout = {}
 
@@ -210,11 +256,14 @@ class Segment(keras.layers.Layer):
             xs = list(inputs)
             for i, x in zip(float_idx, float_args):
                 xs[i] = x
-            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            with _no_autocast():
+                scope = keras.StatelessScope(state_mapping=mapping, collect_losses=True)
+            with scope:
                 before = dict(scope.state_mapping)
                 outs = model(xs, training=True, mask=masks)
                 outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
                 out_masks = [keras_backend.get_keras_mask(o) for o in outs]
+                out_logits = [getattr(o, "_keras_logits", None) for o in outs]
                 updated = [
                     i
                     for i, v in enumerate(state)
@@ -231,6 +280,9 @@ class Segment(keras.layers.Layer):
                 # reads the gradient of the *first* result, which must not be
                 # the (absent) gradient of a boolean or integer output.
                 tuple(sorted(range(len(outs)), key=lambda i: not _is_float(outs[i]))),
+                # Softmax and sigmoid outputs carry their logits, which
+                # crossentropy losses read instead of clipped probabilities.
+                tuple(i for i, x in enumerate(out_logits) if x is not None),
             )
             if layout.setdefault("found", found) != found:
                 raise RuntimeError(
@@ -239,14 +291,18 @@ class Segment(keras.layers.Layer):
                 )
             # Masks travel as floats: no gradient, no bool arithmetic in remat.
             float_masks = [ops.cast(out_masks[i], "float32") for i in found[1]]
-            return tuple([outs[i] for i in found[4]] + float_masks + new_state + losses)
+            logits = [out_logits[i] for i in found[5]]
+            return tuple([outs[i] for i in found[4]] + logits + float_masks + new_state + losses)
 
         results = list(_remat(forward)(*[inputs[i] for i in float_idx]))
-        n_out, masked, updated, n_losses, out_order = layout["found"]
+        n_out, masked, updated, n_losses, out_order, with_logits = layout["found"]
         outs = [None] * n_out
         for i, x in zip(out_order, results[:n_out]):
             outs[i] = x
         rest = results[n_out:]
+        for i, x in zip(with_logits, rest[: len(with_logits)]):
+            _attach_logits(outs[i], x)
+        rest = rest[len(with_logits) :]
         for i, m in zip(masked, rest[: len(masked)]):
             keras_backend.set_keras_mask(outs[i], ops.cast(m, "bool"))
         rest = rest[len(masked) :]
