@@ -142,8 +142,6 @@ def _same_compile(twin, model):
 
 def _training_call(model, twin):
     """The instance `call` that routes training through `twin`."""
-    from keras.src import backend as keras_backend
-
     own_call = model.call  # the bound method the class (or instance) had
 
     def call(inputs, training=None, mask=None, **kwargs):
@@ -152,14 +150,16 @@ def _training_call(model, twin):
         for seg in twin.segments:
             seg._clear_losses()
         outputs = twin.model(inputs, training=training, mask=mask, **kwargs)
-        if not keras_backend.in_stateless_scope():
-            # Segments are not the model's sublayers: move their losses.
-            # (A stateless scope, as in JAX's trainer, collects them itself.)
-            # `Functional.add_loss` is unimplemented; the base one records it.
-            for seg in twin.segments:
-                if seg._losses:
-                    keras.layers.Layer.add_loss(model, list(seg._losses))
-                seg._clear_losses()
+        # Segments are not the model's sublayers: move their losses. In a
+        # stateless scope too (JAX's trainer): the scope holds them, but
+        # `model.losses` there keeps only those its own layers added (by
+        # `_loss_ids`), so left with the segments they would be dropped.
+        # `Functional.add_loss` is unimplemented; the base one records it.
+        for seg in twin.segments:
+            losses = seg._get_own_losses()
+            seg._clear_losses()
+            if losses:
+                keras.layers.Layer.add_loss(model, losses)
         return outputs
 
     return call

@@ -96,6 +96,8 @@ def _remat(f):
     control dependency on the weight gradients keeps one recomputed interior
     alive at a time. Gradients are unchanged.
     """
+    if keras.backend.backend() == "jax":
+        return _jax_remat(f)
     if keras.backend.backend() != "tensorflow":
         return keras.remat(f)
     import tensorflow as tf
@@ -157,6 +159,29 @@ def _attach_logits(output, logits):
         output._keras_logits = logits
     except AttributeError:  # a C-type tensor, as Keras itself allows
         pass
+
+
+def _jax_remat(f):
+    """`jax.checkpoint(f)`, which `keras.remat` is on JAX; on the CPU, with
+    `prevent_cse=False`.
+
+    `prevent_cse=True` wraps the recompute in optimization barriers, so XLA
+    compiles it apart from the forward pass, fused differently: the
+    recomputed values (a BatchNormalization input, say) can differ from the
+    forward pass's in the last bit, and the gradients with them (issue 13:
+    a Dropout + BatchNormalization chain drifted over epochs in `fit`,
+    though each step was off by about 1e-7 only, because training that
+    chain is chaotic: the plain model drifts as far from a 1e-7 relative
+    change of its weights). XLA's CPU pipeline removes the barriers later
+    anyway and merges most of the recompute back into the forward pass, so
+    on the CPU the barriers save no memory; without them XLA reuses the
+    forward pass's values, and gradients equal the original's bit for bit.
+    On GPUs and TPUs the barriers are what keeps the recompute in the
+    backward pass, so they stay there, with rounding-level differences.
+    """
+    import jax
+
+    return jax.checkpoint(f, prevent_cse=jax.default_backend() != "cpu")
 
 
 def _global_seed_state():
