@@ -194,8 +194,6 @@ CASES = {
     "freeze_unfreeze": Case(freezable_chain, lambda: _regression(8), "mse", 3, schedule=freeze_train_unfreeze),
 }
 
-# Fixed by another branch; the lead removes these marks on merge. strict=False:
-# a case may already pass on some backends.
 # mixed_float16 runs on TensorFlow and PyTorch, as issue 13 asks; mixed_bfloat16
 # everywhere.
 SKIP = {"mixed_float16": BACKEND == "jax"}
