@@ -35,8 +35,8 @@ def sequential():
     return keras.Sequential([keras.Input((8,))] + [layers.Dense(8, activation="relu") for _ in range(5)], name="seq")
 
 
-# multi_io lists its variables in another order than its checkpointed model
-# did (Keras lists them layer by layer, and those layers are segments).
+# multi_io: its checkpointed model would list its variables in another order
+# (Keras lists them layer by layer, and those layers are segments).
 BUILDERS = {
     "shared": shared_across_segments,
     "multi_io": models.multi_io,
@@ -48,12 +48,6 @@ BUILDERS = {
 def values(model):
     """What weights files hold: `model.weights` (seed states are not saved)."""
     return [to_numpy(v.value) for v in model.weights]
-
-
-def seed_states(model):
-    """The variables besides the weights: seed-generator states."""
-    weights = {id(w) for w in model.weights}
-    return [v for v in model.variables if id(v) not in weights]
 
 
 def assert_values_equal(a, b):
@@ -96,7 +90,8 @@ def test_clone_model_keeps_a_layer_shared_across_segments_one_layer():
     x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
     segments = [s for s in clone.layers if isinstance(s, Segment)]
     compare_step(plain, clone, x, compiled=BACKEND == "jax")
-    assert all(s.forward_calls >= 2 for s in segments)  # forward, then recompute
+    # Forward, then recompute; JAX traces the rematerialized function once.
+    assert all(s.forward_calls >= (1 if BACKEND == "jax" else 2) for s in segments)
 
 
 def test_clone_model_honours_clone_function_input_tensors_and_call_function():
@@ -171,27 +166,46 @@ def test_weights_files_load_into_each_other(name, fmt, tmp_path):
     assert_values_equal(ck2.get_weights(), plain.get_weights())
 
 
+def slots(model):
+    return [to_numpy(v.value) for v in model.optimizer.variables]
+
+
+def two_inputs():
+    """`models.multi_io` without Dropout (weights files hold no seed states,
+    so masks after a load would differ): a checkpointed model of it would
+    list its variables, and so build its optimizer slots, in another order
+    than it does, Keras listing them segment by segment."""
+    a = keras.Input((6,), name="a")
+    b = keras.Input((6,), name="b")
+    shared = layers.Dense(8, activation="relu", name="shared")
+    ha, hb = shared(a), shared(b)
+    h = layers.Concatenate()([ha, hb])
+    for _ in range(4):
+        h = layers.Dense(8, activation="tanh")(h)
+    side = layers.Dense(3, name="side")(ha)
+    main = layers.Dense(1, name="main")(layers.Add()([h, shared(layers.Dense(6)(h))]))
+    return keras.Model({"a": a, "b": b}, {"main": main, "side": side}, name="two_inputs")
+
+
 @pytest.mark.backends
 def test_optimizer_state_crosses_over_and_training_continues_the_same(tmp_path):
-    # multi_io: the checkpointed model's variables would otherwise come in
-    # another order, and so would its optimizer's slots.
-    x = models.sample_inputs(models.multi_io(), batch=8)
+    x = models.sample_inputs(two_inputs(), batch=8)
     y = {"main": np.ones((8, 1), "float32"), "side": np.zeros((8, 3), "float32")}
-    ck = graphckpt.checkpoint_model(models.multi_io())
+    ck = graphckpt.checkpoint_model(two_inputs())
+    source = graphckpt.uncheckpoint(ck)
+    # Keras's own listing (segment by segment) differs from the source's.
+    assert [id(v) for v in keras.layers.Layer.weights.fget(ck)] != [id(v) for v in source.weights]
     ck.compile(optimizer="adam", loss="mse")
     ck.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     ck.save_weights(tmp_path / "ck.weights.h5")
 
-    plain = models.multi_io()
+    plain = two_inputs()
     plain.compile(optimizer="adam", loss="mse")
     plain.optimizer.build(plain.trainable_variables)
     plain.load_weights(tmp_path / "ck.weights.h5")
     assert_values_equal(values(plain), values(ck))
-    assert_values_equal([to_numpy(v.value) for v in plain.optimizer.variables], [to_numpy(v.value) for v in ck.optimizer.variables])
-    # Each slot went to its own variable: a further epoch agrees. (Weights
-    # files hold no seed states; copy them, so both draw the same masks.)
-    for a, b in zip(seed_states(plain), seed_states(graphckpt.uncheckpoint(ck))):
-        a.assign(b)
+    assert_values_equal(slots(plain), slots(ck))
+    # Each slot went to its own variable: a further epoch agrees.
     ck.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     plain.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(values(plain), values(ck)):
