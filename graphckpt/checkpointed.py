@@ -15,13 +15,19 @@ layers out of it: the weight sharing would be lost. So a
 the loaded model has the same segments, one object per layer, and trains
 with checkpointing. Loading needs only `import graphckpt` first (the class is
 registered as `graphckpt>CheckpointedModel`); no `custom_objects`.
+
+Weights files (`save_weights`, `load_weights`) are the source model's own:
+see `graphckpt/weights.py`. `keras.models.clone_model` clones the source
+model and applies the same plan to the clone (see `_clone_for_keras`).
 """
 
 import dataclasses
 
 import keras
+from keras import tree
 
-from graphckpt.graph import build_graph
+from graphckpt import errors, weights
+from graphckpt.graph import build_graph, functional_of, tensor_key
 from graphckpt.plan import plan_from_boundaries
 
 __all__ = ["CheckpointedModel", "uncheckpoint", "plan_to_config", "plan_from_config"]
@@ -47,12 +53,16 @@ def _call_ordinals(graph):
     return {key: (name, k) for name, keys in by_layer.items() for k, key in enumerate(sorted(keys, key=lambda n: n[1]))}
 
 
-def plan_to_config(graph, plan):
-    """A plan as JSON-friendly data that does not depend on node indices."""
+def plan_to_config(graph, plan, key_of=None):
+    """A plan as JSON-friendly data that does not depend on node indices.
+
+    `key_of` (optional) maps each layer call of the plan to the call that
+    stands for it in `graph`, when `graph` is a copy of the plan's graph."""
     ordinal = _call_ordinals(graph)
+    key_of = key_of or {}
     config = {
         "strategy": plan.strategy,
-        "segments": [[list(ordinal[n]) for n in seg.nodes] for seg in plan.segments],
+        "segments": [[list(ordinal[key_of.get(n, n)]) for n in seg.nodes] for seg in plan.segments],
         "remat": [bool(getattr(seg, "remat", True)) for seg in plan.segments],
     }
     # Whatever else the plan records (estimates, budget): plain values.
@@ -83,6 +93,118 @@ def plan_from_config(graph, config):
     return dataclasses.replace(plan, **info)
 
 
+def _in_source_order(model, own, attribute):
+    """`own` (a list of `model`'s variables) in the order the source model
+    lists them, then any the source does not have. Keras lists a model's
+    variables layer by layer, and a checkpointed model's layers are its
+    segments; in the source's order, weight lists (`get_weights`) and the
+    optimizer's slots line up with the source model's."""
+    recipe = model.__dict__.get("_graphckpt_recipe")
+    if recipe is None or recipe.source is None:
+        return own
+    mine = {id(v) for v in own}
+    ordered = [v for v in getattr(recipe.source, attribute) if id(v) in mine]
+    placed = {id(v) for v in ordered}
+    return ordered + [v for v in own if id(v) not in placed]
+
+
+_CLONE_ATTR = "_graphckpt_clone"
+
+
+def _is_clone_model(operation_fn):
+    """Whether Keras's `clone_model` is running a model's graph: its
+    `operation_fn` returns a clone of each layer rather than calling it."""
+    from keras.src.models import cloning
+
+    return (
+        getattr(operation_fn, "__module__", None) == cloning.__name__
+        and getattr(operation_fn, "__qualname__", "").startswith("_clone_functional_model.")
+    )
+
+
+def _clone_source(model, inputs, operation_fn, call_fn):
+    """Clones `model`'s source model as `clone_model` would: each layer
+    call replayed, in the plan's order, on `operation_fn(layer)` (Keras's
+    clone of the layer, made once per layer, so a shared layer stays one
+    layer), through `call_fn` when given.
+
+    Returns:
+        `(source, key_of)`: the cloned source model, and a map from each of
+        the source's layer calls (graph node keys) to the clone's.
+    """
+    recipe = model._graphckpt_recipe
+    graph = build_graph(recipe.source)
+    fn = functional_of(recipe.source)
+    values = {tensor_key(t): x for t, x in zip(fn.inputs, tree.flatten(inputs))}
+    key_of = {}
+    for seg in recipe.plan.segments:
+        for key in seg.nodes:
+            node = graph.nodes[key]["node"]
+            layer = operation_fn(node.operation)
+            before = len(layer._inbound_nodes)
+            args, kwargs = node.arguments.fill_in({id(t): values[tensor_key(t)] for t in node.input_tensors})
+            outputs = layer(*args, **kwargs) if call_fn is None else call_fn(layer, *args, **kwargs)
+            calls = len(layer._inbound_nodes) - before
+            if calls != 1:
+                raise _cannot_clone(model, f"`call_function` called layer '{layer.name}' {calls} times, not once")
+            key_of[key] = (layer.name, before)
+            for original, new in zip(node.outputs, tree.flatten(outputs)):
+                values[tensor_key(original)] = new
+    outputs = tree.pack_sequence_as(fn._outputs_struct, [values[tensor_key(t)] for t in fn.outputs])
+    return keras.Model(inputs, outputs, name=recipe.source.name), key_of
+
+
+def _cannot_clone(model, reason):
+    return errors.UnsupportedModelError(
+        f"`keras.models.clone_model` cannot keep the plan of checkpointed model '{model.name}': "
+        f"{reason}. It clones the source model and applies the same segments to the clone, which "
+        "needs the clone to make the same layer calls. Tip: clone the plain model and checkpoint "
+        "the clone: `graphckpt.checkpoint_model(keras.models.clone_model(graphckpt.uncheckpoint(ck), "
+        "...))`."
+    )
+
+
+def _clone_for_keras(model, inputs, operation_fn, call_fn):
+    """What `keras.models.clone_model(model, ...)` runs in place of
+    `model`'s graph: the source model cloned with the same `clone_function`
+    / `call_function`, then rewritten with the same plan.
+
+    Keras then builds `CheckpointedModel(inputs, outputs, name)` from the
+    outputs returned here; the rewritten clone waits on them (`_take_clone`)
+    and that constructor takes it over.
+
+    Returns:
+        The output tensors of the rewritten clone, in the model's structure.
+
+    Raises:
+        graphckpt.UnsupportedModelError: `call_function` added or dropped
+            layer calls, so the plan does not fit the clone.
+    """
+    from graphckpt.rewrite import rewrite  # rewrite builds this class
+
+    source, key_of = _clone_source(model, inputs, operation_fn, call_fn)
+    graph = build_graph(source)
+    config = plan_to_config(graph, model.plan, key_of)
+    try:
+        plan = plan_from_config(graph, config)
+    except ValueError as e:
+        raise _cannot_clone(model, f"the clone's layer calls differ from the source's ({e})") from e
+    clone = rewrite(source, graph, plan)
+    outputs = clone._outputs_struct
+    object.__setattr__(tree.flatten(outputs)[0], _CLONE_ATTR, clone)
+    return outputs
+
+
+def _take_clone(outputs):
+    """The clone `_clone_for_keras` made with these outputs, if any; it is
+    handed out once."""
+    first = tree.flatten(outputs)[0] if outputs is not None else None
+    clone = getattr(first, _CLONE_ATTR, None)
+    if clone is not None:
+        object.__delattr__(first, _CLONE_ATTR)
+    return clone
+
+
 @keras.saving.register_keras_serializable(package="graphckpt")
 class CheckpointedModel(keras.Model):
     """A functional model made of `Segment` layers, by `checkpoint_model`.
@@ -90,17 +212,80 @@ class CheckpointedModel(keras.Model):
     Use it like any functional model. It saves and loads with
     `model.save(...)` / `keras.saving.load_model(...)` (after
     `import graphckpt`), and `graphckpt.uncheckpoint(model)` returns the
-    plain model it was made from.
+    plain model it was made from. Its weights files are its source model's:
+    `save_weights` writes what the source model would write, and
+    `load_weights` reads the source model's files. It lists its variables
+    in its source model's order, so `get_weights()` lists and optimizer
+    slots line up with the source model's too. `keras.models.clone_model`
+    returns a `CheckpointedModel` with the same plan over a clone of the
+    source model.
     """
 
-    def __init__(self, inputs, outputs, *, source, plan, name=None, **kwargs):
+    def __init__(self, inputs, outputs, name=None, *, source=None, plan=None, **kwargs):
+        # `clone_model` calls this with (inputs, outputs, name) only: the
+        # clone was built by `_run_through_graph` below, and waits on them.
+        clone = _take_clone(outputs) if source is None else None
+        if source is None:
+            if clone is None:
+                raise errors.InvalidArgumentError(
+                    "A CheckpointedModel is made by `graphckpt.checkpoint_model(model)`, which "
+                    f"plans its segments. Received: inputs and outputs only (name={name!r}), no "
+                    "source model nor plan. Tip: build the plain model from these tensors with "
+                    "`keras.Model(inputs, outputs)` and checkpoint it."
+                )
+            inputs, source, plan = clone._inputs_struct, clone._graphckpt_recipe.source, clone.plan
+        # Set first: the variable lists below read it, and Keras may list
+        # variables while it builds the model.
+        object.__setattr__(self, "_graphckpt_recipe", _Recipe(source, plan))
         super().__init__(inputs=inputs, outputs=outputs, name=name, **kwargs)
         # The source's dtype policy, not the global one now: `compile` wraps
         # the optimizer for loss scaling by the model's policy. (Functional
         # ignores `dtype=`; the public setter would quantize on a quantized
         # policy, so set it as `Layer.__init__` does.)
         self._dtype_policy = source.dtype_policy
-        object.__setattr__(self, "_graphckpt_recipe", _Recipe(source, plan))
+        if clone is not None:
+            self._nodes_by_depth = clone._nodes_by_depth  # the call order rewrite set
+
+    @property
+    def variables(self):
+        return _in_source_order(self, super().variables, "variables")
+
+    @property
+    def weights(self):
+        return _in_source_order(self, super().weights, "weights")
+
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        """Saves the weights as the source model saves its own.
+
+        The file is the one the source model writes with `save_weights`
+        (with this model's optimizer state, if compiled), so it loads into
+        the source model, any model of the same architecture, and any
+        checkpointed model of one. Arguments as for
+        `keras.Model.save_weights`.
+        """
+        weights.save_weights(self, filepath, overwrite=overwrite, max_shard_size=max_shard_size)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Loads a weights file of the source model, or one this model wrote.
+
+        Reads what `keras.Model.load_weights` reads: `.weights.h5`,
+        `.weights.json` (sharded), `.keras` archives and legacy `.h5` files,
+        of the source model or a model of the same architecture, and those
+        `save_weights` and `save` of this model wrote. A load that fails
+        changes nothing.
+
+        Raises:
+            graphckpt.InvalidArgumentError: the file does not fit; the
+                model's variables, optimizer and metrics are unchanged.
+        """
+        keras_load = super().load_weights
+        weights.load_weights(self, filepath, keras_load, skip_mismatch=skip_mismatch, **kwargs)
+
+    def _run_through_graph(self, inputs, *args, **kwargs):
+        operation_fn = kwargs.get("operation_fn", args[0] if args else None)
+        if _is_clone_model(operation_fn):
+            return _clone_for_keras(self, inputs, operation_fn, kwargs.get("call_fn"))
+        return super()._run_through_graph(inputs, *args, **kwargs)
 
     @property
     def plan(self):
