@@ -25,7 +25,7 @@ from graphckpt.plan import (
     topological_order,
 )
 
-__all__ = ["parse_budget", "choose_plan", "format_bytes", "BUDGET_FORMS"]
+__all__ = ["parse_budget", "choose_plan", "check_batch_size", "format_bytes", "BUDGET_FORMS"]
 
 BUDGET_FORMS = (
     "an int number of bytes (e.g. 2_000_000_000), a string with a unit "
@@ -113,7 +113,19 @@ def _kept_plan(graph, strategy):
     return plan_from_boundaries(graph, order, [0], strategy=strategy, remat=[False])
 
 
-def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=None):
+def check_batch_size(graph, batch_size):
+    """`batch_size` if given, else the graph's fixed batch dimension (or None).
+
+    Raises:
+        graphckpt.InvalidArgumentError: `batch_size` is not a positive int.
+    """
+    try:
+        return resolve_batch_size(graph, batch_size)
+    except ValueError as e:
+        raise errors.InvalidArgumentError(f"{e}. Tip: pass the batch size you train with.") from None
+
+
+def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=None):
     """Plans `graph` for the arguments of `graphckpt.plan`.
 
     Returns:
@@ -125,7 +137,7 @@ def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=
         graphckpt.InvalidArgumentError: bad or conflicting arguments.
         graphckpt.InfeasibleBudgetError: no plan's estimate fits `budget`.
     """
-    explicit_segments = segments != "sqrt"
+    explicit_segments = not (isinstance(segments, str) and segments == "auto")
     if budget is not None and explicit_segments:
         raise errors.InvalidArgumentError(
             f"`segments` and `budget` are two ways to choose a plan; pass one. Received: "
@@ -138,10 +150,7 @@ def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=
             f"segment count. Received: segments={segments!r}, policy={policy!r}. Tip: use "
             "`policy` alone, or with `budget`."
         )
-    try:
-        batch_size = resolve_batch_size(graph, batch_size)
-    except ValueError as e:
-        raise errors.InvalidArgumentError(f"{e}. Tip: pass the batch size you train with.") from None
+    batch_size = check_batch_size(graph, batch_size)
     try:
         policy_name, policy_fn = policies.resolve(policy)
     except ValueError as e:
@@ -152,7 +161,8 @@ def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=
             the_plan = plan_segments(graph, segments=segments, costs=costs)
         except ValueError as e:
             raise errors.InvalidArgumentError(
-                f"{e}. Accepted: 'sqrt' (the default), or an int from 1 to the number of layer calls."
+                f"{e}. Accepted: 'auto' (the default: the number of segments with the least "
+                "estimated peak), 'sqrt', or an int from 1 to the number of layer calls."
             ) from None
         return _with_estimates(the_plan, graph, costs, batch_size), None
     keep = ()

@@ -21,7 +21,10 @@ Contract:
 
 Node attributes: `kind`, `layer` (the Keras operation), `class_name`,
 `position` (the call's position in Keras's execution order), `node` (the
-Keras `Node`). The planner reads only `kind`, `position` and the tensor data.
+Keras `Node`), `in_keys` (the graph keys of the call's input tensors, aligned
+with `node.input_tensors`) and `out_keys` (those of `node.outputs`). Read a
+call's tensors through `in_keys` / `out_keys`, not through the Keras node.
+The planner reads only `kind`, `position` and the tensor data.
 """
 
 import dataclasses
@@ -37,7 +40,8 @@ class TensorInfo:
     """Static facts about one symbolic tensor.
 
     `nbytes` counts one example (the batch dimension left out); unknown
-    dimensions count as 1.
+    dimensions count as 1 (`graphckpt.shapes.sized_graph` gives every
+    tensor its real shape from the input shapes, and warns when it can't).
     """
 
     key: tuple
@@ -190,6 +194,8 @@ def build_graph(model):
                 class_name=type(node.operation).__name__,
                 position=position,
                 node=node,
+                in_keys=tuple(tensor_key(t) for t in node.input_tensors),
+                out_keys=tuple(tensor_key(t) for t in node.outputs),
             )
             position += 1
             for t in node.outputs:
@@ -197,8 +203,7 @@ def build_graph(model):
     for key, data in graph.nodes(data=True):
         if data["kind"] == "input":
             continue
-        for t in data["node"].input_tensors:
-            tk = tensor_key(t)
+        for tk in data["in_keys"]:
             producer = tensors[tk].producer
             edge = graph.get_edge_data(producer, key)
             if edge is None:
