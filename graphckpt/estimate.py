@@ -603,7 +603,7 @@ def estimate(model, plan=None, *, batch_size=None, graph=None, input_shape=None)
     if batch_size is not None:
         resolve_batch_size(graph, batch_size)  # checked before comparing it with `input_shape`
     if input_shape is not None or not graph.graph.get("shapes_resolved"):
-        graph, batch_size = sized_graph(graph, input_shape, batch_size)
+        graph, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=3)
     batch_size = resolve_batch_size(graph, batch_size)
     costs, calls = _costs(graph, batch_size)
     baseline = baseline_peak(graph, costs)

@@ -43,7 +43,8 @@ __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propa
 _TIP = (
     "Tip: pass the shapes you train with, batch dimension included, as `input_shape=` "
     "(graphckpt.plan, checkpoint_model, estimate; e.g. input_shape=(8, 512)) or "
-    "`--input-shape 8,512` on the command line."
+    "`--input-shape 8,512` on the command line. The fit flag reads them from arrays and "
+    "tf.data datasets; with other data, fit `graphckpt.checkpoint_model(model, input_shape=...)`."
 )
 
 
@@ -56,8 +57,9 @@ def _is_dim(d):
 
 
 def _is_shape(value):
-    """A shape is a tuple or list of ints and Nones (`[8, 512]` too)."""
-    return isinstance(value, (tuple, list)) and all(_is_dim(d) for d in value)
+    """A tuple or list of dimensions (`[8, 512]` too), not of shapes: its
+    dimensions are checked later, so that a bad one is named."""
+    return isinstance(value, (tuple, list)) and not any(isinstance(d, (tuple, list, dict)) for d in value)
 
 
 def _input_names(graph):
@@ -300,12 +302,12 @@ def sized_graph(graph, input_shape=None, batch_size=None, *, stacklevel=2):
     """
     if input_shape is None:
         if not graph.graph.get("shapes_resolved"):
-            _warn_unknown_inputs(graph, stacklevel + 1)
+            _warn_unknown_inputs(graph, stacklevel)
         graph.graph["shapes_resolved"] = True  # warned once
         return graph, batch_size
     shapes, batch = parse_input_shape(graph, input_shape, batch_size)
     tensors, failed = propagate(graph, shapes)
-    _warn_failed(graph, failed, stacklevel + 1)
+    _warn_failed(graph, failed, stacklevel)
     sized = graph.copy()  # new node and graph dicts; the Keras objects are shared
     sized.graph["tensors"] = tensors
     sized.graph["shapes_resolved"] = True
