@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 import zipfile
 
 __all__ = ["main", "describe", "budget_arg", "parse_input_shapes", "demo_model", "load_model_file"]
@@ -563,10 +564,22 @@ def _version():
         return "unknown"
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """Warnings as one line each, like errors: no source line to quote."""
+    print(f"graphckpt: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+
 def main(argv=None):
     """Runs the graphckpt command line. Returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
+    with warnings.catch_warnings():
+        if not debug:
+            warnings.showwarning = _show_warning
+        return _main(argv, debug)
+
+
+def _main(argv, debug):
     try:
         try:
             args = _parser().parse_args(argv)

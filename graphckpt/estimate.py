@@ -18,10 +18,14 @@ Contract:
   planner use the same numbers, so a budget plan's estimate is the planner's.
 - The figure is the peak training-step memory *above the resident state*
   (weights, optimizer slots, the batch), as `graphckpt.measure` reports it.
-- Batch size: the `batch_size` argument, else the model's fixed batch
-  dimension, else none: the estimate is then **per example**, activation
-  memory only (parameter-sized gradient buffers left out), which scales
-  linearly with the batch.
+- Shapes: the model's static shapes, with unknown dimensions given by
+  `input_shape` (propagated to every tensor by `graphckpt.shapes`); without
+  it an unknown non-batch dimension counts as 1, with a warning.
+- Batch size: the `batch_size` argument, else the batch dimension of
+  `input_shape`, else the model's fixed batch dimension, else none: the
+  estimate is then **per example**, activation memory only
+  (parameter-sized gradient buffers left out), which scales linearly with
+  the batch.
 
 All results are frozen dataclasses of plain values.
 """

@@ -375,7 +375,13 @@ def test_cli_inspect_with_input_shape(capsys, tmp_path):
     assert [8, 128, 16] in shapes  # real shapes, batch included
     expected = graphckpt.plan(keras.saving.load_model(path), input_shape=(8, 128))
     assert info["totals"]["plan_bytes"] == expected.estimated_peak_bytes
-    assert "UnknownDimensionWarning" not in err
+    assert "warning" not in err
+
+    code = cli.main(["inspect", str(path), "--batch-size", "8"])
+    _, err = capsys.readouterr()
+    assert code == 0
+    (line,) = [l for l in err.splitlines() if l.startswith("graphckpt: warning:")]  # one line, once
+    assert "'tokens' (None, None)" in line and "--input-shape" in line
 
     code = cli.main(["inspect", str(path), "--input-shape", "8,128", "--batch-size", "4"])
     _, err = capsys.readouterr()
