@@ -45,10 +45,10 @@ COMPARE = ("resnet_cnn", "unet")
 
 def _plan_kwargs(name, model, batch):
     """The plans measured for one family: name -> checkpoint_model kwargs."""
-    sqrt = graphckpt.plan(model, batch_size=batch)
+    sqrt = graphckpt.plan(model, batch_size=batch, segments="sqrt")
     smallest = graphckpt.estimate(model, sqrt, batch_size=batch).smallest_peak_bytes
     base = sqrt.baseline_peak_bytes
-    plans = {"sqrt": {}}
+    plans = {"sqrt": {"segments": "sqrt"}, "auto": {}}  # auto: the default plan
     # A budget at sqrt's own estimate (least recompute for that memory), and
     # tighter ones: halfway to the smallest achievable estimate, and that.
     levels = {
@@ -158,7 +158,7 @@ def compare_budget_vs_sqrt(name, args, rows):
     for r in budgets:
         runs = {"baseline": [], "sqrt": [], r["method"]: []}
         for _ in range(args.repeats):
-            for label, ck in (("baseline", None), ("sqrt", {}), (r["method"], r["checkpoint_kwargs"])):
+            for label, ck in (("baseline", None), ("sqrt", {"segments": "sqrt"}), (r["method"], r["checkpoint_kwargs"])):
                 m = measure(
                     builder,
                     batch_size=batch,
@@ -202,7 +202,7 @@ def compare_policy(name, args):
     builder = f"{FAMILIES_PY}:{fam['builder']}"
     runs = {"baseline": [], "policy": [], "sqrt": []}
     for _ in range(args.repeats):
-        for label, ck in (("baseline", None), ("policy", {"policy": "save_expensive"}), ("sqrt", {})):
+        for label, ck in (("baseline", None), ("policy", {"policy": "save_expensive"}), ("sqrt", {"segments": "sqrt"})):
             runs[label].append(
                 measure(
                     builder,

@@ -106,3 +106,24 @@ def nested_resnet50v2(size=128, classes=10):
     inp = keras.Input((size, size, 3), name="image")
     x = layers.GlobalAveragePooling2D()(base(inp))
     return keras.Model(inp, layers.Dense(classes)(x), name="nested_resnet50v2")
+
+
+def text_transformer(vocab=50257, dim=256, heads=4, ffn=1024, depth=12, rate=0.1):
+    """A GPT-2-like decoder stack on token ids of shape (None, None), as
+    keras_hub's `GPT2Backbone` takes them: Embedding, then per block
+    LayerNorm -> causal MultiHeadAttention -> Dropout -> residual add,
+    LayerNorm -> Dense(ffn, gelu) -> Dense(dim) -> Dropout -> residual add;
+    a final LayerNorm; the hidden states are the output. The sequence
+    length is known only from the data: plan and measure it with
+    `input_shape=` (e.g. (8, 512))."""
+    tokens = keras.Input((None,), dtype="int32", name="token_ids")
+    x = layers.Embedding(vocab, dim)(tokens)
+    for _ in range(depth):
+        h = layers.LayerNormalization()(x)
+        h = layers.MultiHeadAttention(heads, dim // heads, dropout=rate)(h, h, use_causal_mask=True)
+        x = layers.Add()([x, layers.Dropout(rate)(h)])
+        h = layers.LayerNormalization()(x)
+        h = layers.Dense(ffn, activation="gelu")(h)
+        h = layers.Dense(dim)(h)
+        x = layers.Add()([x, layers.Dropout(rate)(h)])
+    return keras.Model(tokens, layers.LayerNormalization()(x), name="text_transformer")

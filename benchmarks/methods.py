@@ -95,16 +95,17 @@ def graphckpt_budget(build, budget, batch_size):
     """`graphckpt.checkpoint_model(model, budget=..., batch_size=...)` with a
     budget derived from the model (issue 4's comparisons):
 
-    - `"sqrt"`: the default plan's own estimated peak, so the budget plan
-      should keep the same peak with less recompute;
+    - `"sqrt"`: the sqrt plan's own estimated peak (`segments="sqrt"`), so
+      the budget plan should keep the same peak with less recompute;
+    - `"auto"`: the same for the default plan (`segments="auto"`);
     - `"min"`: the smallest estimated peak any plan can reach;
     - anything else is passed through (bytes, "512MiB", a fraction).
     """
     import graphckpt
 
     model = build()
-    if budget == "sqrt":
-        budget = graphckpt.plan(model, batch_size=batch_size).estimated_peak_bytes
+    if budget in ("sqrt", "auto"):
+        budget = graphckpt.plan(model, batch_size=batch_size, segments=budget).estimated_peak_bytes
     elif budget == "min":
         from graphckpt.estimate import node_costs
         from graphckpt.graph import build_graph

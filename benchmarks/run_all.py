@@ -151,7 +151,7 @@ def method_specs(budgets=(), batch_size=None):
     sized = {"batch_size": batch_size} if batch_size and "batch_size" in params else {}
     if "budget" in params:
         for b in budgets:
-            if b in ("sqrt", "min"):
+            if b in ("sqrt", "auto", "min"):
                 spec = dict(method=f"{m}:graphckpt_budget", method_kwargs={"budget": b, "batch_size": batch_size})
             else:
                 spec = dict(method="graphckpt", checkpoint_kwargs={"budget": float(b), **sized})

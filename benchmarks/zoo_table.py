@@ -77,7 +77,7 @@ def render(results):
         "Each model is built with `weights=None` at a small input (32x32; the",
         "documented minimum 75x75 for InceptionV3 and InceptionResNetV2, 71x71 for",
         "Xception; VGG without its 224x224-only top), checkpointed with the default",
-        "plan (`segments=\"sqrt\"`), and compared with the original on a batch of 2:",
+        "plan (`segments=\"auto\"`), and compared with the original on a batch of 2:",
         "outputs in inference, then loss, outputs, every gradient and the state after",
         "one eager training step, from the same starting state.",
         "",

@@ -10,9 +10,10 @@ import keras
 
 from graphckpt import errors
 from graphckpt.graph import build_graph, functional_of
-from graphckpt.budget import choose_plan
+from graphckpt.budget import check_batch_size, choose_plan
 from graphckpt.rewrite import rewrite
 from graphckpt.segment import Segment
+from graphckpt.shapes import sized_graph
 
 __all__ = ["checkpoint_model", "plan", "is_checkpointed"]
 
@@ -62,7 +63,10 @@ def _check_model(model):
         )
 
 
-def _planned(model, segments, budget=None, batch_size=None, policy=None):
+def _planned(model, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None, stacklevel=3):
+    """`(graph, sized graph, plan, unchanged)` for the arguments of `plan`:
+    the sized graph has the real shapes the plan was made for; the rewrite
+    takes the model's own graph."""
     _check_model(model)
     holders = _segment_holders(model)
     if holders:
@@ -75,19 +79,24 @@ def _planned(model, segments, budget=None, batch_size=None, policy=None):
             "it back), or use the checkpointed one as it is."
         )
     graph = build_graph(model)
-    the_plan, unchanged = choose_plan(graph, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
-    return graph, the_plan, unchanged
+    if batch_size is not None:
+        check_batch_size(graph, batch_size)  # before comparing it with `input_shape`
+    sized, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=stacklevel + 1)
+    the_plan, unchanged = choose_plan(sized, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
+    return graph, sized, the_plan, unchanged
 
 
-def plan(model, *, segments="sqrt", budget=None, batch_size=None, policy=None):
+def plan(model, *, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None):
     """Plans the segments of `model` without rewriting it.
 
     Args:
         model: a built functional `keras.Model` or `keras.Sequential`.
-        segments: `"sqrt"` (default: round(sqrt(n)) segments over n layer
-            calls, the last one run inline) or an int k from 1 to n (k
-            segments, all recomputed). Cuts go where the estimated peak is
-            least. Not with `budget` or `policy`.
+        segments: `"auto"` (default: the number of segments, and where
+            they go, with the least estimated peak; ties go to fewer
+            segments; the last one runs inline), `"sqrt"` (round(sqrt(n))
+            segments over n layer calls, the last one run inline) or an int
+            k from 1 to n (k segments, all recomputed). Cuts go where the
+            estimated peak is least. Not with `budget` or `policy`.
         budget: a memory budget for the estimated peak training-step
             activation memory: an int of bytes, a string such as `"512MiB"`,
             `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a
@@ -96,13 +105,23 @@ def plan(model, *, segments="sqrt", budget=None, batch_size=None, policy=None):
             are recomputed only where memory requires it. A budget at or
             above the baseline leaves the model unchanged, with a warning.
         batch_size: the batch size to estimate memory for (default: the
-            model's fixed batch size, if any). A budget in bytes needs one;
-            without one, estimates are per example.
+            batch dimension of `input_shape`, else the model's fixed batch
+            size, if any). A budget in bytes needs one; without one,
+            estimates are per example.
         policy: a recompute policy, `"save_expensive"` or a callable from
             `graphckpt.policies`: the calls it names (Dense, convolutions,
             attention, ...) are never recomputed; only the cheap calls
             between them are. Alone, it picks the smallest estimated peak
             under that rule; with `budget`, the least recompute that fits.
+        input_shape: the shapes of the inputs you train on, batch dimension
+            included, as `model.build` takes them: one shape tuple, a list
+            of shapes, or a dict keyed by input name (e.g. `(8, 512)` for
+            token ids of shape (None, None)). Its first dimension is the
+            batch size, unless None. Shapes are propagated through the
+            graph, so estimates and plans are for the real tensor sizes;
+            without it, an unknown non-batch dimension counts as 1, with a
+            warning. The checkpointed model still takes any shape the
+            original does.
 
     Returns:
         A `graphckpt.Plan`: plain, immutable data about the segments, with
@@ -118,13 +137,17 @@ def plan(model, *, segments="sqrt", budget=None, batch_size=None, policy=None):
         >>> p = graphckpt.plan(model, budget=0.3, batch_size=32)
         >>> p.estimated_peak_bytes, p.baseline_peak_bytes
     """
-    graph, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy)
-    if unchanged:
-        warnings.warn(f"The plan for model '{model.name}' checkpoints nothing: {unchanged}.", stacklevel=2)
+    _, _, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy, input_shape)
+    _warn_unchanged(model, unchanged, stacklevel=3)
     return the_plan
 
 
-def checkpoint_model(model, *, segments="sqrt", budget=None, batch_size=None, policy=None):
+def _warn_unchanged(model, unchanged, stacklevel=2):
+    if unchanged:
+        warnings.warn(f"The plan for model '{model.name}' checkpoints nothing: {unchanged}.", stacklevel=stacklevel)
+
+
+def checkpoint_model(model, *, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None):
     """Returns a copy of `model`'s graph that trains with less memory.
 
     Gradient checkpointing trades compute for memory: the model's layer calls
@@ -140,10 +163,12 @@ def checkpoint_model(model, *, segments="sqrt", budget=None, batch_size=None, po
 
     Args:
         model: a built functional `keras.Model` or `keras.Sequential`.
-        segments: `"sqrt"` (default: round(sqrt(n)) segments over n layer
-            calls, the last one run inline) or an int k from 1 to n (k
-            segments, all recomputed). Cuts go where the estimated peak is
-            least. Not with `budget` or `policy`.
+        segments: `"auto"` (default: the number of segments, and where
+            they go, with the least estimated peak; ties go to fewer
+            segments; the last one runs inline), `"sqrt"` (round(sqrt(n))
+            segments over n layer calls, the last one run inline) or an int
+            k from 1 to n (k segments, all recomputed). Cuts go where the
+            estimated peak is least. Not with `budget` or `policy`.
         budget: a memory budget for the estimated peak training-step
             activation memory: an int of bytes, a string such as `"512MiB"`,
             `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a
@@ -152,13 +177,23 @@ def checkpoint_model(model, *, segments="sqrt", budget=None, batch_size=None, po
             are recomputed only where memory requires it. A budget at or
             above the baseline leaves the model unchanged, with a warning.
         batch_size: the batch size to estimate memory for (default: the
-            model's fixed batch size, if any). A budget in bytes needs one;
-            without one, estimates are per example.
+            batch dimension of `input_shape`, else the model's fixed batch
+            size, if any). A budget in bytes needs one; without one,
+            estimates are per example.
         policy: a recompute policy, `"save_expensive"` or a callable from
             `graphckpt.policies`: the calls it names (Dense, convolutions,
             attention, ...) are never recomputed; only the cheap calls
             between them are. Alone, it picks the smallest estimated peak
             under that rule; with `budget`, the least recompute that fits.
+        input_shape: the shapes of the inputs you train on, batch dimension
+            included, as `model.build` takes them: one shape tuple, a list
+            of shapes, or a dict keyed by input name (e.g. `(8, 512)` for
+            token ids of shape (None, None)). Its first dimension is the
+            batch size, unless None. Shapes are propagated through the
+            graph, so estimates and plans are for the real tensor sizes;
+            without it, an unknown non-batch dimension counts as 1, with a
+            warning. The checkpointed model still takes any shape the
+            original does.
 
     Returns:
         A new functional `keras.Model`, or `model` itself (with a warning)
@@ -178,7 +213,7 @@ def checkpoint_model(model, *, segments="sqrt", budget=None, batch_size=None, po
         >>> ck.compile(optimizer="adam", loss="mse")
         >>> ck.fit(x, y)   # trains `model`'s own weights
     """
-    graph, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy)
+    graph, _, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy, input_shape)
     if unchanged is None and not any(s.remat for s in the_plan.segments):
         unchanged = "the plan recomputes no layer call"
     if unchanged:

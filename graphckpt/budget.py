@@ -25,7 +25,7 @@ from graphckpt.plan import (
     topological_order,
 )
 
-__all__ = ["parse_budget", "choose_plan", "format_bytes", "BUDGET_FORMS"]
+__all__ = ["parse_budget", "choose_plan", "check_batch_size", "format_bytes", "BUDGET_FORMS"]
 
 BUDGET_FORMS = (
     "an int number of bytes (e.g. 2_000_000_000), a string with a unit "
@@ -113,6 +113,18 @@ def _kept_plan(graph, strategy):
     return plan_from_boundaries(graph, order, [0], strategy=strategy, remat=[False])
 
 
+def check_batch_size(graph, batch_size):
+    """`batch_size` if given, else the graph's fixed batch dimension (or None).
+
+    Raises:
+        graphckpt.InvalidArgumentError: `batch_size` is not a positive int.
+    """
+    try:
+        return resolve_batch_size(graph, batch_size)
+    except ValueError as e:
+        raise errors.InvalidArgumentError(f"{e}. Tip: pass the batch size you train with.") from None
+
+
 def _empty_plan(graph, segments, budget, policy_name):
     """`(plan, unchanged)` for a model without layer calls (`Model(i, i)`):
     no segments, and why nothing changes. A budget is still checked."""
@@ -120,12 +132,13 @@ def _empty_plan(graph, segments, budget, policy_name):
         parse_budget(budget)
         strategy = "budget"
     else:
-        strategy = "policy" if policy_name else ("sqrt" if segments == "sqrt" else "fixed")
+        named = isinstance(segments, str) and segments in ("auto", "sqrt")
+        strategy = "policy" if policy_name else (segments if named else "fixed")
     the_plan = plan_from_boundaries(graph, (), [], strategy=strategy)
     return the_plan, "it has no layer calls (its outputs are its inputs), so there is nothing to recompute"
 
 
-def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=None):
+def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=None):
     """Plans `graph` for the arguments of `graphckpt.plan`.
 
     Returns:
@@ -137,7 +150,7 @@ def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=
         graphckpt.InvalidArgumentError: bad or conflicting arguments.
         graphckpt.InfeasibleBudgetError: no plan's estimate fits `budget`.
     """
-    explicit_segments = segments != "sqrt"
+    explicit_segments = not (isinstance(segments, str) and segments == "auto")
     if budget is not None and explicit_segments:
         raise errors.InvalidArgumentError(
             f"`segments` and `budget` are two ways to choose a plan; pass one. Received: "
@@ -150,10 +163,7 @@ def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=
             f"segment count. Received: segments={segments!r}, policy={policy!r}. Tip: use "
             "`policy` alone, or with `budget`."
         )
-    try:
-        batch_size = resolve_batch_size(graph, batch_size)
-    except ValueError as e:
-        raise errors.InvalidArgumentError(f"{e}. Tip: pass the batch size you train with.") from None
+    batch_size = check_batch_size(graph, batch_size)
     try:
         policy_name, policy_fn = policies.resolve(policy)
     except ValueError as e:
@@ -166,7 +176,8 @@ def choose_plan(graph, *, segments="sqrt", budget=None, batch_size=None, policy=
             the_plan = plan_segments(graph, segments=segments, costs=costs)
         except ValueError as e:
             raise errors.InvalidArgumentError(
-                f"{e}. Accepted: 'sqrt' (the default), or an int from 1 to the number of layer calls."
+                f"{e}. Accepted: 'auto' (the default: the number of segments with the least "
+                "estimated peak), 'sqrt', or an int from 1 to the number of layer calls."
             ) from None
         return _with_estimates(the_plan, graph, costs, batch_size), None
     keep = ()

@@ -1,9 +1,10 @@
 """The `graphckpt` command line: inspect, measure, demo.
 
-    graphckpt inspect MODEL.keras [--segments sqrt|N] [--budget B]
-                                  [--batch-size N] [--format table|json|dot]
-    graphckpt measure MODEL.keras --batch-size N [--segments ...] [--budget ...]
-                                  [--steps N] [--repeats N] [--json PATH]
+    graphckpt inspect MODEL.keras [--segments auto|sqrt|N] [--budget B]
+                                  [--batch-size N] [--input-shape [NAME=]8,512 ...]
+                                  [--format table|json|dot]
+    graphckpt measure MODEL.keras --batch-size N | --input-shape ... [--segments ...]
+                                  [--budget ...] [--steps N] [--repeats N] [--json PATH]
     graphckpt demo [--depth N] [--width N] [--batch-size N] ...
 
 docs/cli.md describes every command and flag, with real output.
@@ -21,9 +22,10 @@ import os
 import re
 import sys
 import traceback
+import warnings
 import zipfile
 
-__all__ = ["main", "describe", "budget_arg", "demo_model", "load_model_file"]
+__all__ = ["main", "describe", "budget_arg", "parse_input_shapes", "demo_model", "load_model_file"]
 
 DEMO = {"depth": 36, "width": 256, "batch_size": 256}
 
@@ -45,12 +47,50 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_segments(text):
-    """`"sqrt"` or a positive int, from the command line."""
-    if text == "sqrt":
+    """`"auto"`, `"sqrt"` or a positive int, from the command line."""
+    if text in ("auto", "sqrt"):
         return text
     if re.fullmatch(r"[0-9]+", text or "") and int(text) >= 1:
         return int(text)
-    raise CliError(f"--segments must be 'sqrt' or a positive integer. Received: --segments {text!r}", code=2)
+    raise CliError(
+        f"--segments must be 'auto', 'sqrt' or a positive integer. Received: --segments {text!r}", code=2
+    )
+
+
+_SHAPE_RE = re.compile(r"^(?:([^=\s]+)=)?\s*((?:[0-9]+|None)(?:\s*,\s*(?:[0-9]+|None))*)\s*,?\s*$")
+
+
+def parse_input_shapes(texts):
+    """Repeated `--input-shape` values -> `input_shape=` for the planner.
+
+    `8,512` is one shape (batch dimension first; `None` for a dimension
+    `--batch-size` gives); several unnamed values are a list, in the
+    model's input order; `NAME=8,512` values, a dict keyed by input name.
+    The planner checks them against the model's inputs.
+    """
+    if not texts:
+        return None
+    parsed = []
+    for text in texts:
+        match = _SHAPE_RE.match(text)
+        if match is None:
+            raise CliError(
+                f"--input-shape takes comma-separated dimensions, batch first, optionally after an "
+                f"input name: e.g. --input-shape 8,512 or --input-shape token_ids=8,512. Received: "
+                f"--input-shape {text!r}",
+                code=2,
+            )
+        dims = tuple(None if d.strip() == "None" else int(d) for d in match.group(2).split(","))
+        parsed.append((match.group(1), dims))
+    names = [name for name, _ in parsed]
+    if all(name is not None for name in names):
+        if len(set(names)) != len(names):
+            raise CliError(f"--input-shape names an input twice: {names}", code=2)
+        return dict(parsed)
+    if any(name is not None for name in names):
+        raise CliError("--input-shape: name every input (NAME=8,512) or none of them (in the model's input order)", code=2)
+    shapes = [dims for _, dims in parsed]
+    return shapes[0] if len(shapes) == 1 else shapes
 
 
 def budget_arg(text):
@@ -78,6 +118,9 @@ def _planner_kwargs(args):
         kwargs["budget"] = budget_arg(args.budget)
     if getattr(args, "batch_size", None):
         kwargs["batch_size"] = args.batch_size
+    input_shape = parse_input_shapes(getattr(args, "input_shape", None))
+    if input_shape is not None:
+        kwargs["input_shape"] = input_shape
     return kwargs
 
 
@@ -137,17 +180,22 @@ def _load(path, imports, debug):
 
 def _planned(model, planner_kwargs):
     """`(plain model, graph, plan)`: a checkpointed file keeps its own plan
-    unless new planner arguments are given."""
+    unless new planner arguments are given. The graph has the real shapes
+    the plan is estimated for (`--input-shape`)."""
     import graphckpt
+    from graphckpt import api
     from graphckpt.graph import build_graph
+    from graphckpt.shapes import sized_graph
 
     if isinstance(model, graphckpt.CheckpointedModel):
         plain = graphckpt.uncheckpoint(model)
         if not {"segments", "budget"} & set(planner_kwargs):
-            return plain, build_graph(plain), model.plan
+            graph, _ = sized_graph(build_graph(plain), planner_kwargs.get("input_shape"), planner_kwargs.get("batch_size"))
+            return plain, graph, model.plan
         model = plain
-    the_plan = graphckpt.plan(model, **planner_kwargs)
-    return model, build_graph(model), the_plan
+    _, graph, the_plan, unchanged = api._planned(model, **planner_kwargs)
+    api._warn_unchanged(model, unchanged)
+    return model, graph, the_plan
 
 
 # ---------------------------------------------------------------- inspection data
@@ -338,7 +386,7 @@ def render_comparison(comparison, console):
 def _cmd_inspect(args):
     model = _load(args.model, args.imports, args.debug)
     model, graph, the_plan = _planned(model, _planner_kwargs(args))
-    info = describe(model, graph, the_plan, args.batch_size)
+    info = describe(model, graph, the_plan, args.batch_size)  # `graph` has the input shapes
     if args.format == "json":
         print(json.dumps(info, indent=2))
     elif args.format == "dot":
@@ -348,9 +396,10 @@ def _cmd_inspect(args):
     return 0
 
 
-def _measure_pair(builder, builder_kwargs, args, checkpoint_kwargs):
+def _measure_pair(builder, builder_kwargs, args, checkpoint_kwargs, input_shape=None):
     """Baseline and graphckpt, alternating, `args.repeats` times, each run
-    in a fresh process, with a spinner. Returns a `Comparison`."""
+    in a fresh process, with a spinner, on random batches of `input_shape`
+    (default: the model's input shapes). Returns a `Comparison`."""
     from graphckpt.measure import Comparison, measure
 
     console = _console(stderr=True)
@@ -366,6 +415,7 @@ def _measure_pair(builder, builder_kwargs, args, checkpoint_kwargs):
                 method=method,
                 builder_kwargs=builder_kwargs,
                 checkpoint_kwargs=checkpoint_kwargs if method == "graphckpt" else None,
+                input_shape=input_shape,
                 steps=args.steps,
                 check=False,
             )
@@ -385,9 +435,14 @@ def _cmd_measure(args):
             "(`graphckpt.uncheckpoint(model).save(...)`)."
         )
     kwargs = _planner_kwargs(args)
-    graphckpt.plan(model, **kwargs)  # bad arguments fail here, before any subprocess
+    the_plan = graphckpt.plan(model, **kwargs)  # bad arguments fail here, before any subprocess
+    if the_plan.batch_size is None:
+        raise CliError("measure needs a batch size: pass --batch-size N, or --input-shape with the batch first", code=2)
+    args.batch_size = the_plan.batch_size
     builder_kwargs = {"path": os.path.abspath(args.model), "imports": list(args.imports)}
-    comparison = _measure_pair("graphckpt.cli:load_model_file", builder_kwargs, args, kwargs)
+    comparison = _measure_pair(
+        "graphckpt.cli:load_model_file", builder_kwargs, args, kwargs, kwargs.get("input_shape")
+    )
     render_comparison(comparison, _console())
     if args.json:
         with open(args.json, "w") as f:
@@ -439,7 +494,11 @@ def _parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="on error, print the full traceback")
     planning = argparse.ArgumentParser(add_help=False)
-    planning.add_argument("--segments", metavar="sqrt|N", help="number of segments: 'sqrt' (default) or an integer")
+    planning.add_argument(
+        "--segments",
+        metavar="auto|sqrt|N",
+        help="number of segments: 'auto' (default: the count with the least estimated peak), 'sqrt' or an integer",
+    )
     planning.add_argument(
         "--budget", metavar="B", help="memory budget: bytes with a unit (2GiB, 800MB), or a fraction of the baseline (0.3)"
     )
@@ -453,6 +512,14 @@ def _parser():
         metavar="MODULE",
         help="import MODULE first (it registers the model's custom classes); repeatable",
     )
+    loading.add_argument(
+        "--input-shape",
+        dest="input_shape",
+        action="append",
+        metavar="[NAME=]8,512",
+        help="the shape of an input, batch dimension first (e.g. 8,512 for token ids of shape (None, None)); "
+        "repeat it for several inputs, in order, or name them (token_ids=8,512)",
+    )
 
     parser = _Parser(prog="graphckpt", description="Gradient checkpointing for Keras 3 functional models.", parents=[common])
     parser.add_argument("--version", action="version", version=f"graphckpt {_version()}")
@@ -465,7 +532,9 @@ def _parser():
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("measure", parents=[common, loading, planning], help="measure peak memory, baseline vs plan")
-    p.add_argument("--batch-size", type=_positive_int, metavar="N", required=True, help="examples per training step")
+    p.add_argument(
+        "--batch-size", type=_positive_int, metavar="N", help="examples per training step (or the first dim of --input-shape)"
+    )
     p.add_argument("--steps", type=_positive_int, default=5, metavar="N", help="measured training steps (default: 5)")
     p.add_argument("--repeats", type=_positive_int, default=1, metavar="N", help="alternate N baseline/graphckpt pairs (default: 1)")
     p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON to PATH")
@@ -496,10 +565,22 @@ def _version():
         return "unknown"
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """Warnings as one line each, like errors: no source line to quote."""
+    print(f"graphckpt: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+
 def main(argv=None):
     """Runs the graphckpt command line. Returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
+    with warnings.catch_warnings():
+        if not debug:
+            warnings.showwarning = _show_warning
+        return _main(argv, debug)
+
+
+def _main(argv, debug):
     try:
         try:
             args = _parser().parse_args(argv)
@@ -510,6 +591,7 @@ def main(argv=None):
             parse_segments(args.segments)  # bad values fail before any model loads
         if getattr(args, "budget", None) is not None:
             budget_arg(args.budget)
+        parse_input_shapes(getattr(args, "input_shape", None))
         return args.func(args)
     except KeyboardInterrupt:
         print("graphckpt: interrupted", file=sys.stderr)

@@ -18,10 +18,14 @@ Contract:
   planner use the same numbers, so a budget plan's estimate is the planner's.
 - The figure is the peak training-step memory *above the resident state*
   (weights, optimizer slots, the batch), as `graphckpt.measure` reports it.
-- Batch size: the `batch_size` argument, else the model's fixed batch
-  dimension, else none: the estimate is then **per example**, activation
-  memory only (parameter-sized gradient buffers left out), which scales
-  linearly with the batch.
+- Shapes: the model's static shapes, with unknown dimensions given by
+  `input_shape` (propagated to every tensor by `graphckpt.shapes`); without
+  it an unknown non-batch dimension counts as 1, with a warning.
+- Batch size: the `batch_size` argument, else the batch dimension of
+  `input_shape`, else the model's fixed batch dimension, else none: the
+  estimate is then **per example**, activation memory only
+  (parameter-sized gradient buffers left out), which scales linearly with
+  the batch.
 
 All results are frozen dataclasses of plain values.
 """
@@ -31,7 +35,7 @@ import math
 
 import keras
 
-from graphckpt.graph import build_graph, functional_of, tensor_key
+from graphckpt.graph import build_graph, functional_of
 from graphckpt.plan import (
     NodeCosts,
     Plan,
@@ -40,6 +44,7 @@ from graphckpt.plan import (
     smallest_peak,
     topological_order,
 )
+from graphckpt.shapes import propagate, sized_graph
 
 __all__ = [
     "CallEstimate",
@@ -327,8 +332,13 @@ _MHA_SCORE_BUFFERS = 2.2
 
 
 def _nested_rule(layer, ins, outs, batch_size):
-    """A nested functional model or Sequential: the sum of its own calls."""
+    """A nested functional model or Sequential: the sum of its own calls,
+    with the shapes it is called on."""
     graph = build_graph(layer)
+    inner = [graph.graph["tensors"][k].shape for k in graph.graph["inputs"]]
+    outer = [i.shape for i in ins]
+    if outer != inner and [len(s) for s in outer] == [len(s) for s in inner]:
+        graph.graph["tensors"], _ = propagate(graph, outer)
     costs, calls = _costs(graph, None)
     inner_layers = [graph.nodes[c.node]["layer"] for c in calls]
     inner_inputs = graph.graph["inputs"]
@@ -482,7 +492,6 @@ def _costs(graph, batch_size):
     saved, internal, workspace, compute, rules = set(), {}, {}, {}, {}
     for key in topological_order(graph):
         data = graph.nodes[key]
-        node = data["node"]
         ins = [tensors[k] for k in data["in_keys"]]
         outs = [tensors[k] for k in data["out_keys"]]
         rule = _rule(data["layer"], ins, outs)
@@ -563,25 +572,42 @@ def call_estimates(graph, batch_size=None):
     return _costs(graph, batch_size)[1]
 
 
-def estimate(model, plan=None, *, batch_size=None, graph=None):
+def estimate(model, plan=None, *, batch_size=None, graph=None, input_shape=None):
     """Estimates peak training-step activation memory, with or without a plan.
 
     Args:
         model: a built functional `keras.Model` or `keras.Sequential`.
         plan: a `graphckpt.Plan` for `model` (from `graphckpt.plan(...)`),
             or None for the model as it is.
-        batch_size: examples per step; default the model's fixed batch
-            size, else a per-example estimate.
-        graph: the model's layer-call graph, if already built.
+        batch_size: examples per step; default the batch dimension of
+            `input_shape`, else the model's fixed batch size, else a
+            per-example estimate.
+        graph: the model's layer-call graph, if already built (one from
+            `graphckpt.shapes.sized_graph` is used as it is, unless
+            `input_shape` is given too).
+        input_shape: the input shapes to estimate for, batch dimension
+            included, as `model.build` takes them: one shape tuple, a list
+            of shapes, or a dict keyed by input name. Needed for real
+            figures when the model's inputs have unknown dimensions
+            (text models: (None, None)); without it they count as 1, with
+            a warning.
 
     Returns:
         A `MemoryEstimate`.
+
+    Raises:
+        graphckpt.InvalidArgumentError: a wrong `input_shape`, or one whose
+            batch dimension disagrees with `batch_size`.
 
     Example:
         >>> e = estimate(model, graphckpt.plan(model), batch_size=32)
         >>> e.peak_bytes / e.baseline_peak_bytes
     """
     graph = graph if graph is not None else build_graph(model)
+    if batch_size is not None:
+        resolve_batch_size(graph, batch_size)  # checked before comparing it with `input_shape`
+    if input_shape is not None or not graph.graph.get("shapes_resolved"):
+        graph, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=3)
     batch_size = resolve_batch_size(graph, batch_size)
     costs, calls = _costs(graph, batch_size)
     baseline = baseline_peak(graph, costs)

@@ -29,6 +29,7 @@ loss and metrics, `History`, callbacks, `validation_data`, `class_weight`.
 import dataclasses
 import functools
 import inspect
+import math
 import numbers
 import warnings
 import weakref
@@ -77,24 +78,102 @@ def _check_flag(gradient_checkpointing, budget):
         return {} if budget is None else {"budget": budget}
     # Any integer (numpy's too, as `segments=` takes them), but not a bool.
     count = isinstance(flag, numbers.Integral) and not isinstance(flag, bool) and flag >= 1
-    if count or (isinstance(flag, str) and flag == "sqrt"):
+    if count or (isinstance(flag, str) and flag in ("auto", "sqrt")):
         segments = int(flag) if count else flag
         return {"segments": segments} if budget is None else {"segments": segments, "budget": budget}
     raise errors.InvalidArgumentError(
-        "`gradient_checkpointing` must be True, False, None, 'sqrt' or a positive int (a number of "
-        f"segments). Received: gradient_checkpointing={flag!r}. Tip: use True for sqrt(n) segments."
+        "`gradient_checkpointing` must be True, False, None, 'auto', 'sqrt' or a positive int (a "
+        f"number of segments). Received: gradient_checkpointing={flag!r}. Tip: use True for the "
+        "default plan ('auto': the number of segments with the least estimated peak)."
     )
 
 
-def _with_batch_size(planner_kwargs, original, model, args, kwargs):
-    """A byte budget is for one batch: take the batch size `fit` will use."""
+def _with_data_shapes(planner_kwargs, original, model, args, kwargs):
+    """Plans for the data `fit` trains on: the shapes of its first batch
+    (`input_shape=`), else, for a byte budget, the batch size `fit` uses."""
+    bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
+    x, batch_size = bound.get("x"), bound.get("batch_size")
+    if not _is_batched(x) and batch_size is None:
+        batch_size = 32  # what `fit` uses for arrays
+    shapes = _checked(model, _data_shapes(x, batch_size, bound.get("validation_split") or 0.0))
+    if shapes is not None:
+        return dict(planner_kwargs, input_shape=shapes)
     if "budget" not in planner_kwargs:
         return planner_kwargs
-    bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
-    batch_size = bound.get("batch_size")
-    if batch_size is None and not _is_batched(bound.get("x")):
-        batch_size = 32  # what `fit` uses for arrays
     return dict(planner_kwargs, batch_size=batch_size)
+
+
+def _shape(dims):
+    return tuple(None if d is None else int(d) for d in dims)
+
+
+def _data_shapes(x, batch_size, validation_split):
+    """The input shapes of the first batch `fit` takes from `x`, as
+    `input_shape=` spells them, or None when they can't be read without
+    consuming data.
+
+    Arrays (and dicts, lists, tuples of arrays): `fit` takes batches of
+    `batch_size` from the examples it trains on. A `tf.data` dataset: its
+    `element_spec` (the batch dimension may be unknown). Keras `PyDataset`s
+    and generators are not read: peeking would run or consume the user's
+    data pipeline (its augmentation's random draws included)."""
+    from keras import tree
+    from keras.utils import unpack_x_y_sample_weight
+
+    if x is None:
+        return None
+    if not _is_batched(x):
+        leaves = tree.flatten(x)
+        if not leaves or not all(hasattr(leaf, "shape") and len(leaf.shape) for leaf in leaves):
+            return None
+        examples = int(leaves[0].shape[0])
+        examples = int(math.ceil(examples * (1.0 - validation_split)))
+        step = max(1, min(batch_size, examples))
+        return _as_input_shape(tree.map_structure(lambda a: (step,) + _shape(a.shape[1:]), x))
+    spec = getattr(x, "element_spec", None)
+    if spec is None:
+        return None
+    x_spec = unpack_x_y_sample_weight(spec)[0]
+    try:
+        shapes = tree.map_structure(lambda s: _shape(s.shape), x_spec)
+    except (AttributeError, TypeError, ValueError):  # specs of unknown rank
+        return None
+    if any(d is None for spec in tree.flatten(x_spec) for d in _shape(spec.shape)[1:]):
+        return None  # padded or ragged batches: lengths vary from batch to batch
+    return _as_input_shape(shapes)
+
+
+def _as_input_shape(shapes):
+    """A structure of shapes -> `input_shape=`'s spelling (a tuple, a list
+    of tuples or a dict of tuples), or None for deeper nesting."""
+    if isinstance(shapes, dict):
+        flat = all(isinstance(s, tuple) for s in shapes.values())
+        return dict(shapes) if flat else None
+    if isinstance(shapes, list) or (isinstance(shapes, tuple) and shapes and isinstance(shapes[0], tuple)):
+        return list(shapes) if all(isinstance(s, tuple) for s in shapes) else None
+    return shapes
+
+
+def _checked(model, shapes):
+    """`shapes` if the planner accepts them for `model`, else None, with a
+    warning: `fit` itself will say what is wrong with the data."""
+    if shapes is None:
+        return None
+    from graphckpt.graph import build_graph
+    from graphckpt.shapes import parse_input_shape
+
+    try:
+        parse_input_shape(build_graph(model), shapes)
+    except errors.GraphckptError as e:
+        warnings.warn(
+            f"Model '{model.name}': gradient checkpointing plans without the shapes of the data "
+            f"passed to fit, which don't fit the model's inputs: {e}",
+            stacklevel=4,
+        )
+        return None
+    except Exception:  # noqa: BLE001 - not a model graphckpt reads: `plan` says why
+        return None
+    return shapes
 
 
 def _is_batched(x):
@@ -166,7 +245,7 @@ def _training_call(model, twin):
 
 
 def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
-    twin = _twin_for(model, _with_batch_size(planner_kwargs, original, model, args, kwargs))
+    twin = _twin_for(model, _with_data_shapes(planner_kwargs, original, model, args, kwargs))
     if twin is None:
         warnings.warn(f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.", stacklevel=3)
         return original(model, *args, **kwargs)
@@ -191,10 +270,14 @@ _FLAG_DOC = """
     graphckpt (installed by `graphckpt.install()`; `graphckpt.uninstall()`
     removes it) adds two keyword-only arguments:
 
-        gradient_checkpointing: True or "sqrt" (about sqrt(n) segments over
-            n layer calls), an int (that many segments), or False/None (off,
-            the default: plain `fit`). Trains this model's own weights with
-            gradient checkpointing, like `graphckpt.checkpoint_model`.
+        gradient_checkpointing: True or "auto" (the number of segments,
+            and where they go, with the least estimated peak), "sqrt"
+            (round(sqrt(n)) segments over n layer calls), an int (that many
+            segments), or False/None (off, the default: plain `fit`). Trains
+            this model's own weights with gradient checkpointing, like
+            `graphckpt.checkpoint_model`. The plan is for the shapes of the
+            data: the first batch of arrays (or dicts and lists of arrays)
+            or a `tf.data` dataset's `element_spec`.
         budget: a memory budget for the estimated peak training-step
             memory, as `graphckpt.checkpoint_model` takes it: bytes
             ("2GiB", an int; for a batch of `batch_size`, default 32) or a

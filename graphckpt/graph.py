@@ -33,7 +33,10 @@ Contract:
 
 Node attributes: `kind`, `layer` (the Keras operation), `class_name`,
 `position` (the call's position in Keras's execution order), `node` (the
-Keras `Node`). The planner reads only `kind`, `position` and the tensor data.
+Keras `Node`), `in_keys` (the graph keys of the call's input tensors, aligned
+with `node.input_tensors`) and `out_keys` (those of `node.outputs`). Read a
+call's tensors through `in_keys` / `out_keys`, not through the Keras node.
+The planner reads only `kind`, `position` and the tensor data.
 """
 
 import dataclasses
@@ -49,7 +52,8 @@ class TensorInfo:
     """Static facts about one symbolic tensor.
 
     `nbytes` counts one example (the batch dimension left out); unknown
-    dimensions count as 1.
+    dimensions count as 1 (`graphckpt.shapes.sized_graph` gives every
+    tensor its real shape from the input shapes, and warns when it can't).
     """
 
     key: tuple

@@ -28,7 +28,8 @@ Contract:
 A training step is `model.train_on_batch(x, y)` after
 `model.compile(optimizer, loss, jit_compile=...)`: what `fit` runs. The
 batch is random, shaped from `model.inputs` and `model.outputs` (integer
-inputs get values in [0, 2)), unless a `data` recipe is given.
+inputs get values in [0, 2); unknown dimensions size 1, unless `input_shape`
+gives them), unless a `data` recipe is given.
 
 Methods (what is measured):
 - `"baseline"`: the model as built.
@@ -291,6 +292,7 @@ def measure(
     optimizer="sgd",
     loss="mse",
     data=None,
+    input_shape=None,
     device="auto",
     seed=0,
     threads=None,
@@ -318,6 +320,12 @@ def measure(
         optimizer, loss: passed to `model.compile`.
         data: optional recipe `data(model, batch_size) -> (x, y)`; by
             default random arrays shaped like the model's inputs/outputs.
+        input_shape: the shapes of the random batch's inputs, batch
+            dimension included, as `graphckpt.plan` takes them (JSON-friendly:
+            lists are fine); needed where the model's inputs have unknown
+            dimensions, which otherwise get size 1. The outputs' shapes
+            follow. Pass it in `checkpoint_kwargs` too, so the plan is made
+            for the same shapes.
         device: `"auto"` (GPU:0 if TensorFlow sees one, else CPU:0),
             `"cpu"` or `"gpu"`.
         seed: seeds Keras, NumPy and TensorFlow in the child.
@@ -366,6 +374,7 @@ def measure(
         "optimizer": optimizer,
         "loss": loss,
         "data": _recipe(data, "data") if data is not None else None,
+        "input_shape": input_shape,
         "device": device,
         "seed": seed,
         "threads": threads,
@@ -531,11 +540,23 @@ def _source_fingerprint(package_dir):
     return out
 
 
-def _random_batch(model, batch_size, seed):
+def _random_batch(model, batch_size, seed, input_shape=None):
+    """Random inputs and targets for `model`: shaped by `input_shape` (the
+    outputs' shapes follow from it), else like the model's inputs and
+    outputs, with size 1 for unknown dimensions."""
     import keras
     import numpy as np
 
     rng = np.random.default_rng(seed)
+    inputs, outputs = model.input, model.output
+    if input_shape is not None:
+        from graphckpt.graph import build_graph
+        from graphckpt.shapes import parse_input_shape
+
+        shapes, _ = parse_input_shape(build_graph(model), input_shape, batch_size)
+        flat = [keras.KerasTensor(s, dtype=t.dtype) for s, t in zip(shapes, keras.tree.flatten(inputs))]
+        inputs = keras.tree.pack_sequence_as(inputs, flat)
+        outputs = model.compute_output_spec(inputs)
 
     def one(t):
         shape = (batch_size,) + tuple(d if d is not None else 1 for d in t.shape[1:])
@@ -544,8 +565,8 @@ def _random_batch(model, batch_size, seed):
             return rng.integers(0, 2, size=shape).astype(dtype)
         return rng.standard_normal(size=shape).astype("float32")
 
-    x = keras.tree.map_structure(one, model.input)
-    y = keras.tree.map_structure(one, model.output)
+    x = keras.tree.map_structure(one, inputs)
+    y = keras.tree.map_structure(one, outputs)
     return x, y
 
 
@@ -657,7 +678,7 @@ def _child_run(spec, info, phase):
         if spec["data"]:
             x, y = _load(spec["data"])(model, spec["batch_size"])
         else:
-            x, y = _random_batch(model, spec["batch_size"], spec["seed"])
+            x, y = _random_batch(model, spec["batch_size"], spec["seed"], spec.get("input_shape"))
         with tf.device(device):
             x = keras.tree.map_structure(tf.convert_to_tensor, x)
             y = keras.tree.map_structure(tf.convert_to_tensor, y)
@@ -912,7 +933,7 @@ def _backend_child_main(spec_path, out_path):
             if model is None:
                 model = _transform(spec, build)
         with phase("data"):
-            x, y = _random_batch(model, spec["batch_size"], spec["seed"])
+            x, y = _random_batch(model, spec["batch_size"], spec["seed"], spec.get("input_shape"))
         with phase("compile"):
             model.compile(optimizer=spec["optimizer"], loss=spec["loss"], jit_compile=spec["jit_compile"])
         with phase("train"):

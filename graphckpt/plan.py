@@ -31,6 +31,7 @@ References:
 """
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -79,8 +80,8 @@ class Plan:
     Attributes:
         segments: `PlannedSegment`s in execution order.
         order: every layer call, in the topological order the segments cut.
-        strategy: how it was chosen: `"sqrt"`, `"fixed"`, `"budget"` or
-            `"policy"`.
+        strategy: how it was chosen: `"auto"`, `"sqrt"`, `"fixed"`,
+            `"budget"` or `"policy"`.
         estimated_peak_bytes: the estimated peak training-step activation
             memory of the checkpointed model (see `graphckpt.estimate`), or
             None when not estimated.
@@ -286,8 +287,76 @@ def _least_peak_boundaries(spans, k, last_kept):
     return _fewest_held(spans, k, lo, last_kept)
 
 
-def plan_segments(graph, segments="sqrt", costs=None):
-    """Plans `segments` segments over the graph's layer calls.
+def _fits_any_count(spans, cap):
+    """Whether some plan of recomputed segments followed by one segment run
+    as it is (any number of segments) keeps every peak within `cap`.
+
+    Dynamic programming over cut positions keeping, per position, the least
+    bytes held for the later segments (later peaks only grow with it)."""
+    import numpy as np
+
+    n = spans.n
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    inner, held = spans.inner_remat_t, spans.held_remat_t  # [b, a]: contiguous columns
+    for b in range(1, n):
+        prev = best[:b]
+        vals = np.where(prev + inner[b, :b] <= cap, prev + held[b, :b], np.inf)
+        best[b] = vals.min()
+    return bool((best[:n] + spans.inner_kept[:n, n] <= cap).any())
+
+
+def _fewest_segments(spans, cap):
+    """The fewest segments (recomputed ones, then one run as it is) of a plan
+    whose peaks all fit `cap`, or None when no plan fits.
+
+    Counts up, one segment at a time, over the least bytes held for each
+    (count, cut position), each step vectorized over every cut. It stops
+    when a plan fits, or when another segment lowers the held bytes at no
+    cut position: then no plan with more segments fits either."""
+    import numpy as np
+
+    n = spans.n
+    prev = np.full(n + 1, np.inf)  # least held, by cut position, for j segments
+    prev[0] = 0.0
+    seen = prev.copy()  # the least over every count so far
+    for j in range(1, n + 1):
+        if (prev[:n] + spans.inner_kept[:n, n] <= cap).any():
+            return j  # j - 1 recomputed segments, then the last one
+        rows = np.flatnonzero(np.isfinite(prev[:n]))
+        base = prev[rows, None]
+        vals = np.where(base + spans.inner_remat_masked[rows] <= cap, base + spans.held_remat[rows], np.inf)
+        prev = np.full(n + 1, np.inf)
+        prev[: n] = vals[:, :n].min(axis=0)
+        if not (prev < seen).any():
+            return None
+        seen = np.minimum(seen, prev)
+    return None
+
+
+def _auto_boundaries(spans):
+    """Start positions of the plan whose estimated peak is least over every
+    number of segments (recomputed ones, then one run as it is); among
+    those, the fewest segments, then the fewest bytes held.
+
+    Bisection over integer byte caps: the plan with one segment run as it
+    is (the original model) always fits its own peak."""
+    lo, hi = 0, int(math.ceil(spans.inner_kept[0, spans.n]))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fits_any_count(spans, mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    k = _fewest_segments(spans, lo)
+    return _fewest_held(spans, k, lo, True)
+
+
+SEGMENT_CHOICES = ("auto", "sqrt")
+
+
+def plan_segments(graph, segments="auto", costs=None):
+    """Plans the segments over the graph's layer calls.
 
     Boundaries go where the estimated peak of the checkpointed model is
     least (the memory model of `segment_peaks`: the boundary tensors held
@@ -297,17 +366,23 @@ def plan_segments(graph, segments="sqrt", costs=None):
 
     Args:
         graph: a layer-call graph (see `graphckpt.graph`).
-        segments: `"sqrt"` for round(sqrt(n)) segments over n layer calls,
-            the last of which runs as it is (its backward pass follows its
-            forward pass at once, so recomputing it would save nothing); or
-            a positive int k no larger than n: k segments, all recomputed.
+        segments: `"auto"` (default) chooses the number of segments too: the
+            least estimated peak over every count (ties: fewer segments),
+            the last segment run as it is (its backward pass follows its
+            forward pass at once, so recomputing it would save nothing).
+            On a uniform chain that is about sqrt(n) segments; on a
+            transformer stack about one block per segment; one segment run
+            as it is (no recompute) when no cut lowers the estimate.
+            `"sqrt"`: round(sqrt(n)) segments over n layer calls, the last
+            one run as it is. A positive int k no larger than n: k
+            segments, all recomputed.
         costs: `NodeCosts` for the memory model (default: `graph_costs`).
 
     Returns:
         A `Plan`.
 
     Raises:
-        ValueError: `segments` is not `"sqrt"` nor an int in [1, n].
+        ValueError: `segments` is not `"auto"`, `"sqrt"` nor an int in [1, n].
 
     Example:
         >>> plan = plan_segments(graph, segments=4)
@@ -315,19 +390,24 @@ def plan_segments(graph, segments="sqrt", costs=None):
     """
     order = topological_order(graph)
     n = len(order)
-    if segments == "sqrt":
-        k, strategy = max(1, round(math.sqrt(n))), "sqrt"
+    if segments in SEGMENT_CHOICES:
+        strategy = segments
     elif isinstance(segments, numbers.Integral) and not isinstance(segments, bool) and 1 <= segments <= n:
-        k, strategy = int(segments), "fixed"  # numpy ints too
+        strategy = "fixed"  # numpy ints too
     else:
         raise ValueError(
-            f"`segments` must be 'sqrt' or an int from 1 to the number of "
+            f"`segments` must be 'auto', 'sqrt' or an int from 1 to the number of "
             f"layer calls ({n}). Received: segments={segments!r}"
         )
-    last_kept = strategy == "sqrt" and k > 1
     spans = _spans_for(graph, order, costs or graph_costs(graph))
-    starts = _least_peak_boundaries(spans, k, last_kept)
-    remat = [True] * (k - 1) + [not last_kept]
+    if strategy == "auto":
+        starts = _auto_boundaries(spans)
+        last_kept = True
+    else:
+        k = max(1, round(math.sqrt(n))) if strategy == "sqrt" else int(segments)
+        last_kept = strategy == "sqrt" and k > 1
+        starts = _least_peak_boundaries(spans, k, last_kept)
+    remat = [True] * (len(starts) - 1) + [not last_kept]
     return plan_from_boundaries(graph, order, starts, strategy=strategy, remat=remat)
 
 
@@ -514,6 +594,27 @@ class _Spans:
         self.held_kept = kept_span + self.unsaved_out
         self.held_remat = self.out
         self.cost_span = self.compute_prefix[None, :] - self.compute_prefix[:, None]
+
+    # For the search over segment counts (`segments="auto"`), made when
+    # first read: columns as contiguous rows, and spans [a, b) with a >= b
+    # ruled out.
+    @functools.cached_property
+    def inner_remat_t(self):
+        import numpy as np
+
+        return np.ascontiguousarray(self.inner_remat.T)
+
+    @functools.cached_property
+    def held_remat_t(self):
+        import numpy as np
+
+        return np.ascontiguousarray(self.held_remat.T)
+
+    @functools.cached_property
+    def inner_remat_masked(self):
+        import numpy as np
+
+        return np.where(np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), 1), self.inner_remat, np.inf)
 
     def inner(self, a, b, remat):
         return float((self.inner_remat if remat else self.inner_kept)[a, b])

@@ -141,7 +141,7 @@ def test_bad_segments_list_what_is_accepted(segments, entry):
     assert isinstance(err, ValueError)
     message = str(err)
     assert f"segments={segments!r}" in message  # what was received
-    assert "'sqrt'" in message and "from 1 to" in message and "(6)" in message  # what is accepted
+    assert "'auto'" in message and "'sqrt'" in message and "from 1 to" in message and "(6)" in message
     snap.assert_untouched(model, nodes=True)
 
 

@@ -281,17 +281,17 @@ def transformer_block(seq=8, dim=16, depth=2):
 
 def test_plan_carries_estimates_and_the_budget():
     model = models.chain(depth=16, width=32, dropout=0.3, bn=True)
-    sqrt = graphckpt.plan(model, batch_size=64)
-    assert sqrt.batch_size == 64 and sqrt.estimated_peak_bytes < sqrt.baseline_peak_bytes
-    budget = (sqrt.estimated_peak_bytes + sqrt.baseline_peak_bytes) // 2
+    default = graphckpt.plan(model, batch_size=64)
+    assert default.batch_size == 64 and default.estimated_peak_bytes < default.baseline_peak_bytes
+    budget = (default.estimated_peak_bytes + default.baseline_peak_bytes) // 2
     p = graphckpt.plan(model, budget=budget, batch_size=64)
     assert p.strategy == "budget" and p.budget_bytes == budget
-    assert p.estimated_peak_bytes <= budget and p.baseline_peak_bytes == sqrt.baseline_peak_bytes
+    assert p.estimated_peak_bytes <= budget and p.baseline_peak_bytes == default.baseline_peak_bytes
     assert any(not s.remat for s in p.segments) and any(s.remat for s in p.segments)
     frac = graphckpt.plan(model, budget=0.6, batch_size=64)
     assert frac.budget_bytes == int(0.6 * frac.baseline_peak_bytes)
     per_example = graphckpt.plan(model)
-    assert per_example.batch_size is None and 0 < per_example.estimated_peak_bytes < sqrt.estimated_peak_bytes
+    assert per_example.batch_size is None and 0 < per_example.estimated_peak_bytes < default.estimated_peak_bytes
 
 
 def test_budget_at_or_above_the_baseline_returns_the_model_unchanged():
@@ -405,11 +405,12 @@ def test_bool_first_segment_output_is_differentiable():
     compare_step(model, ck, models.sample_inputs(model), graph=True)
 
 
-def test_smallest_peak_is_below_sqrt_on_real_graphs():
+def test_smallest_peak_is_below_auto_and_sqrt_on_real_graphs():
     for name in ("resnet", "unet", "densenet"):
         model = models.ALL[name]()
-        e = graphckpt.estimate(model, graphckpt.plan(model, batch_size=16), batch_size=16)
-        assert e.smallest_peak_bytes <= e.peak_bytes < e.baseline_peak_bytes
+        e = graphckpt.estimate(model, graphckpt.plan(model, batch_size=16, segments="sqrt"), batch_size=16)
+        auto = graphckpt.plan(model, batch_size=16)
+        assert e.smallest_peak_bytes <= auto.estimated_peak_bytes <= e.peak_bytes < e.baseline_peak_bytes
         assert math.isclose(
             graphckpt.plan(model, budget=e.smallest_peak_bytes, batch_size=16).estimated_peak_bytes,
             e.smallest_peak_bytes,

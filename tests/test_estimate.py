@@ -166,7 +166,7 @@ def test_plan_estimate_is_the_planner_model():
         assert s.held_before_bytes == held
         assert s.peak_bytes == e.fixed_bytes + s.held_before_bytes + s.recompute_peak_bytes
         held += s.held_bytes
-    # The sqrt plan recomputes every call once, except in its last segment.
+    # The default plan recomputes every call once, except in its last segment.
     assert [s.remat for s in p.segments] == [True] * (len(p.segments) - 1) + [False]
     last = set(p.segments[-1].nodes)
     assert e.recompute_flops == pytest.approx(sum(c.flops for c in e.calls if c.node not in last))
@@ -178,7 +178,7 @@ def test_deep_chain_sqrt_estimate_is_sublinear():
     ratios = []
     for depth in (16, 64):
         model = models.chain(depth=depth, width=256)
-        e = estimate(model, graphckpt.plan(model), batch_size=None)
+        e = estimate(model, graphckpt.plan(model, segments="sqrt"), batch_size=None)
         ratios.append(e.ratio)
     assert ratios[1] < ratios[0] < 1  # deeper chains save a larger fraction
 

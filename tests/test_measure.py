@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+import graphckpt
 from graphckpt.measure import Measurement, MeasurementError, compare, measure
 from tests import measure_builders as mb
 
@@ -36,7 +37,9 @@ def test_measurements_are_sane(pair):
 
 def test_graphckpt_lowers_the_measured_peak(pair):
     base, ck = pair.baseline[0], pair.candidate[0]
-    assert base.num_segments == 0 and ck.num_segments == 3  # round(sqrt(17 calls)) = 4, the last inline
+    # The default plan's recomputed segments (its last one runs inline).
+    expected = graphckpt.plan(mb.chain(**CHAIN))
+    assert base.num_segments == 0 and ck.num_segments == sum(s.remat for s in expected.segments) >= 2
     assert ck.peak_bytes < 0.75 * base.peak_bytes
     assert pair.peak_ratio == ck.peak_bytes / base.peak_bytes
 

@@ -102,14 +102,15 @@ SHAPES = {
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("segments", ["sqrt", 1, 2, 3, "all"])
+@pytest.mark.parametrize("segments", ["auto", "sqrt", 1, 2, 3, "all"])
 def test_valid_plan_on_any_dag(shape, segments):
     g = literal_graph(SHAPES[shape])
     n = sum(d["kind"] == "layer" for _, d in g.nodes(data=True))
     plan = plan_segments(g, segments=n if segments == "all" else segments)
     validate_plan(g, plan)
-    expected = round(math.sqrt(n)) if segments == "sqrt" else (n if segments == "all" else segments)
-    assert len(plan.segments) == expected
+    if segments != "auto":  # "auto" chooses the count: see test_auto_*
+        expected = round(math.sqrt(n)) if segments == "sqrt" else (n if segments == "all" else segments)
+        assert len(plan.segments) == expected
     assert all(plan.segments)
 
 
@@ -179,7 +180,7 @@ def test_plan_from_boundaries_and_to_dict():
 @pytest.mark.parametrize("name", sorted(models.ALL))
 def test_plans_on_real_model_graphs_are_valid(name):
     g = build_graph(models.ALL[name]())
-    for segments in ("sqrt", 2):
+    for segments in ("auto", "sqrt", 2):
         validate_plan(g, plan_segments(g, segments=segments))
 
 
@@ -192,12 +193,20 @@ def test_numpy_int_segment_count_is_an_int():
         plan_segments(g, segments=np.float64(3.0))
 
 
-def test_default_plan_runs_its_last_segment_inline():
+def test_sqrt_plan_runs_its_last_segment_inline():
     g = literal_graph(chain_edges(16))
-    sqrt = plan_segments(g)
+    sqrt = plan_segments(g, segments="sqrt")
     assert [s.remat for s in sqrt.segments] == [True, True, True, False]
     assert all(s.remat for s in plan_segments(g, segments=4).segments)
-    assert plan_segments(literal_graph(chain_edges(2))).segments[0].remat  # one segment: recomputed
+    assert plan_segments(literal_graph(chain_edges(2)), segments="sqrt").segments[0].remat  # one: recomputed
+
+
+def test_default_is_auto_and_runs_its_last_segment_inline():
+    g = literal_graph(chain_edges(16))
+    auto = plan_segments(g)
+    assert auto.strategy == "auto" and auto == plan_segments(g, segments="auto")
+    assert len(auto.segments) > 1
+    assert [s.remat for s in auto.segments] == [True] * (len(auto.segments) - 1) + [False]
 
 
 def test_short_segments_where_activations_are_big():
@@ -208,3 +217,102 @@ def test_short_segments_where_activations_are_big():
     lengths = [len(s.nodes) for s in plan_segments(g, segments=5).segments]
     assert sum(lengths[:3]) >= 12 and max(lengths[:3]) <= 5  # n1..n12 in three short segments
     assert lengths[-1] >= 10  # the small tail in one long one
+
+
+def _least_peak_per_count(g, costs):
+    """Brute force: for every segment count k, the least estimated peak of
+    k segments, the last one run inline (the existing fixed-k search)."""
+    from graphckpt.plan import _least_peak_boundaries, _spans_for, estimated_peak
+
+    order = topological_order(g)
+    spans = _spans_for(g, order, costs)
+    peaks = {}
+    for k in range(1, len(order) + 1):
+        starts = _least_peak_boundaries(spans, k, True)
+        plan = plan_from_boundaries(g, order, starts, remat=[True] * (k - 1) + [False])
+        peaks[k] = estimated_peak(g, plan, costs)
+    return peaks
+
+
+def _random_costs(g, seed):
+    import random
+
+    from graphckpt.plan import NodeCosts, graph_costs
+
+    rnd = random.Random(seed)
+    base = graph_costs(g)
+    layer_nodes = [n for n, d in g.nodes(data=True) if d["kind"] == "layer"]
+    return NodeCosts(
+        tensor_bytes={k: rnd.choice([1, 2, 5, 40, 300]) for k in base.tensor_bytes},
+        saved=frozenset(k for k in base.tensor_bytes if rnd.random() < 0.7),
+        internal={v: rnd.choice([0, 0, 3, 80]) for v in layer_nodes},
+        workspace={v: rnd.choice([0, 10, 50]) for v in layer_nodes},
+        compute={v: 1.0 for v in layer_nodes},
+        fixed=7,
+    )
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auto_is_the_least_peak_over_every_count(shape, seed):
+    """"auto" finds the least estimated peak of any segment count, and
+    among the counts that reach it, the fewest segments."""
+    from graphckpt.plan import estimated_peak
+
+    g = literal_graph(SHAPES[shape])
+    costs = _random_costs(g, seed)
+    peaks = _least_peak_per_count(g, costs)
+    auto = plan_segments(g, segments="auto", costs=costs)
+    validate_plan(g, auto)
+    least = min(peaks.values())
+    assert estimated_peak(g, auto, costs) == least
+    assert len(auto.segments) == min(k for k, p in peaks.items() if p == least)
+    # so never worse than the sqrt plan or any fixed count
+    assert least <= estimated_peak(g, plan_segments(g, segments="sqrt", costs=costs), costs)
+    for k in (1, 2, 3):
+        assert least <= estimated_peak(g, plan_segments(g, segments=k, costs=costs), costs)
+
+
+def test_auto_on_a_uniform_chain_is_about_sqrt_n():
+    for n in (16, 64, 144):
+        k = len(plan_segments(literal_graph(chain_edges(n))).segments)
+        assert math.sqrt(n) / 2 <= k <= 2 * math.sqrt(n), (n, k)
+
+
+def test_auto_keeps_the_model_as_it_is_when_no_cut_helps():
+    """Two calls, the last making a huge output: the cut between them holds
+    the first call's output during the second one's backward, which the
+    original keeps anyway, so the peak ties with the original's and the
+    fewest segments win: one, not recomputed."""
+    from graphckpt.plan import baseline_peak, estimated_peak, graph_costs
+
+    g = literal_graph(chain_edges(2), {"n0": 1, "n1": 1, "n2": 10_000})
+    costs = graph_costs(g)
+    two = plan_from_boundaries(g, topological_order(g), [0, 1], remat=[True, False])
+    assert estimated_peak(g, two, costs) == baseline_peak(g, costs)  # the tie
+    auto = plan_segments(g)
+    assert len(auto.segments) == 1 and not auto.segments[0].remat
+
+
+def test_auto_searches_every_count_on_one_span_table():
+    """The search over segment counts reuses one table of span costs
+    (building one is O(n^2)), not one per count."""
+    import importlib
+
+    plan_module = importlib.import_module("graphckpt.plan")
+    made = []
+    original = plan_module._Spans.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        original(self, *args, **kwargs)
+
+    g = literal_graph(chain_edges(300))
+    plan_module._Spans.__init__ = counting
+    try:
+        auto = plan_segments(g)
+    finally:
+        plan_module._Spans.__init__ = original
+    assert made == [1]
+    validate_plan(g, auto)
+    assert 9 <= len(auto.segments) <= 35  # about sqrt(300) = 17

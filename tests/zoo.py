@@ -63,7 +63,7 @@ class Result:
 
 
 def check(name, batch=2, graph=False, dtype=None, atol=1e-5, rtol=1e-6):
-    """Builds `name`, checkpoints it with the sqrt plan and asserts equal
+    """Builds `name`, checkpoints it with the default plan and asserts equal
     outputs (inference) and equal loss, outputs, gradients and state after a
     training step. Returns a `Result`; raises on a mismatch.
 
