@@ -63,6 +63,55 @@ def _check_model(model):
         )
 
 
+# The methods through which a model's class changes how it is called,
+# compiled and trained. A checkpointed model is a plain functional model:
+# overrides of these would not carry over to it.
+_BEHAVIOUR = (
+    "call",
+    "__call__",
+    "compile",
+    "compute_loss",
+    "compute_metrics",
+    "train_step",
+    "test_step",
+    "predict_step",
+    "make_train_function",
+    "make_test_function",
+    "make_predict_function",
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
+
+
+def overridden_methods(model, names=_BEHAVIOUR):
+    """`Class.method` for each of `names` that `model`'s class defines
+    outside Keras (and graphckpt), in `names`' order."""
+    found = []
+    for name in names:
+        owner = next((c for c in type(model).__mro__ if name in c.__dict__), None)
+        module = getattr(owner, "__module__", "") or ""
+        if owner is not None and not module.startswith(("keras.", "graphckpt.")):
+            found.append(f"{owner.__qualname__}.{name}")
+    return found
+
+
+def _check_no_overrides(model):
+    overrides = overridden_methods(model)
+    if overrides:
+        raise errors.UnsupportedModelError(
+            f"Model '{model.name}' of class {type(model).__name__} overrides {', '.join(overrides)}. "
+            "`checkpoint_model` returns a plain functional model, which would silently drop them "
+            "(another loss, other metrics, other outputs). Expected a `keras.Model(inputs, "
+            "outputs)`, a `keras.Sequential`, or a subclass that only builds one. Tip: train your "
+            "own model with `graphckpt.install()` and `model.fit(..., gradient_checkpointing=True)`, "
+            "which keeps its class and methods (keras_hub task models included)."
+        )
+
+
 def _planned(model, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None, stacklevel=3):
     """`(graph, sized graph, plan, unchanged)` for the arguments of `plan`:
     the sized graph has the real shapes the plan was made for; the rewrite
@@ -203,7 +252,9 @@ def checkpoint_model(model, *, segments="auto", budget=None, batch_size=None, po
     Raises:
         graphckpt.NotAModelError: `model` is not a Keras model.
         graphckpt.UnsupportedModelError: subclassed, unbuilt or already
-            checkpointed.
+            checkpointed; or a functional subclass that overrides `call`,
+            `train_step`, `compile`, ... (keras_hub task models): the fit
+            flag trains those.
         graphckpt.InvalidArgumentError: a bad or conflicting `segments`,
             `budget`, `batch_size` or `policy`.
         graphckpt.InfeasibleBudgetError: no plan's estimate fits `budget`.
@@ -213,6 +264,8 @@ def checkpoint_model(model, *, segments="auto", budget=None, batch_size=None, po
         >>> ck.compile(optimizer="adam", loss="mse")
         >>> ck.fit(x, y)   # trains `model`'s own weights
     """
+    _check_model(model)
+    _check_no_overrides(model)
     graph, _, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy, input_shape)
     if unchanged is None and not any(s.remat for s in the_plan.segments):
         unchanged = "the plan recomputes no layer call"

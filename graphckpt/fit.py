@@ -244,7 +244,24 @@ def _training_call(model, twin):
     return call
 
 
+def _check_own_call(model):
+    """The flag runs the training forward pass through the model's layer
+    graph, so a `call` of its own would be skipped: refuse it."""
+    from graphckpt import api
+
+    overrides = api.overridden_methods(model, ("call",))
+    if overrides:
+        raise errors.UnsupportedModelError(
+            f"Model '{model.name}' of class {type(model).__name__} overrides {overrides[0]}. "
+            "`fit(gradient_checkpointing=...)` recomputes the model's layer graph, so your `call` "
+            "would not run in training. Expected a model whose forward pass is its layer graph "
+            "(overriding `train_step`, `compute_loss` or `compile` is fine). Tip: wrap the "
+            "expensive blocks inside your `call` with `keras.remat(block)`, or fit without the flag."
+        )
+
+
 def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
+    _check_own_call(model)
     twin = _twin_for(model, _with_data_shapes(planner_kwargs, original, model, args, kwargs))
     if twin is None:
         warnings.warn(f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.", stacklevel=3)
