@@ -125,6 +125,11 @@ def _segment_model(graph, seg, name, policy):
     # ignores `dtype=`, and the public setter would quantize on a quantized
     # policy, so set it as `Layer.__init__` does.
     sub._dtype_policy = policy
+    # The inputs' declared shapes are what the source graph's symbolic
+    # tensors say; a layer may return another (keras_hub's SigLIP embedding
+    # declares 17 tokens and returns 16). The source model never checks a
+    # tensor in its interior against them, so a segment does not either.
+    sub.input_spec = None
     return _run_in_call_order(sub, calls)
 
 
