@@ -30,12 +30,14 @@ Contract:
 All results are frozen dataclasses of plain values.
 """
 
+import contextlib
 import dataclasses
 import math
 
 import keras
 
-from graphckpt.graph import build_graph, functional_of
+from graphckpt.graph import TensorInfo, build_graph, functional_of
+from graphckpt.graph import _itemsize as _dtype_size
 from graphckpt.plan import (
     NodeCosts,
     Plan,
@@ -361,8 +363,9 @@ def _nested_rule(layer, ins, outs, batch_size):
     )
 
 
-def _rule(layer, ins, outs):
-    """The per-example rule of one call: `ins`/`outs` are its TensorInfos."""
+def _rule(layer, ins, outs, node=None):
+    """The per-example rule of one call: `ins`/`outs` are its TensorInfos;
+    `node`, its Keras `Node`, lets a layer of layers be looked into."""
     cls = type(layer).__name__
     out_bytes = sum(o.nbytes for o in outs)
     out_elems = sum(_elems(o) for o in outs)
@@ -436,7 +439,107 @@ def _rule(layer, ins, outs):
         return _Rule(all_in, frozenset(), 0.0, out_elems, name="saves inputs")
     if cls in _SAVE_IN_AND_OUT:
         return _Rule(all_in, all_out, 0.0, sum(_elems(i) for i in ins), name="max pooling")
+    if node is not None and layer._layers:
+        composite = _composite_rule(layer, node, ins)
+        if composite is not None:
+            return composite
     return _Rule(all_in, all_out, out_bytes, out_elems, name="unknown")
+
+
+@contextlib.contextmanager
+def _recording_sublayer_calls(record):
+    """Appends `(layer, args, kwargs, outputs)` to `record` for each layer
+    call made directly (not inside another recorded call) while active."""
+    base = keras.layers.Layer
+    original = base.__call__
+    depth = [0]
+
+    def __call__(self, *args, **kwargs):
+        top = depth[0] == 0
+        depth[0] += 1
+        try:
+            outputs = original(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if top:
+            record.append((self, args, kwargs, outputs))
+        return outputs
+
+    base.__call__ = __call__
+    try:
+        yield
+    finally:
+        base.__call__ = original
+
+
+def _info(tensor):
+    """A per-example `TensorInfo` for a backend tensor met while tracing."""
+    shape = tuple(tensor.shape)
+    dtype = keras.backend.standardize_dtype(tensor.dtype)
+    n = math.prod(d if d is not None else 1 for d in shape[1:])
+    return TensorInfo(key=id(tensor), producer=None, shape=shape, dtype=dtype, nbytes=n * _dtype_size(dtype))
+
+
+def _tensors(structure):
+    return [t for t in keras.tree.flatten(structure) if hasattr(t, "shape") and hasattr(t, "dtype")]
+
+
+def _composite_rule(layer, node, ins):
+    """A layer of layers outside Keras (keras_hub's `TransformerDecoder`,
+    a user's block): the sum of what its sublayer calls keep, found by
+    calling it symbolically in training on the shapes it is called with
+    (batch 1). Raw ops between the sublayers are not counted. None when
+    the symbolic call fails."""
+    specs = {
+        id(t): keras.KerasTensor((1,) + tuple(info.shape[1:]), dtype=info.dtype)
+        for t, info in zip(node.input_tensors, ins)
+    }
+    args, kwargs = node.arguments.fill_in(specs)
+    if "training" in _call_parameters(layer):
+        kwargs = {**kwargs, "training": True}
+    record = []
+    try:
+        with _recording_sublayer_calls(record):
+            keras.src.backend.compute_output_spec(layer.call, *args, **kwargs)
+    except Exception:  # a layer that only runs on real data: keep the generic rule
+        return None
+    kept, internal, flops, expensive = {}, 0.0, 0.0, False
+    for sub, sub_args, sub_kwargs, sub_outputs in record:
+        sub_ins = [_info(t) for t in _tensors((sub_args, sub_kwargs))]
+        sub_outs = [_info(t) for t in _tensors(sub_outputs)]
+        rule = _rule(sub, sub_ins, sub_outs, _CallArguments(sub_args, sub_kwargs, _tensors((sub_args, sub_kwargs))))
+        kept.update((sub_ins[i].key, sub_ins[i].nbytes) for i in rule.saved_inputs if _is_float(sub_ins[i]))
+        kept.update((sub_outs[i].key, sub_outs[i].nbytes) for i in rule.saved_outputs)
+        internal += rule.internal
+        flops += rule.flops
+        expensive = expensive or rule.expensive
+    return _Rule(internal=internal + sum(kept.values()), flops=flops, expensive=expensive, name="layers inside")
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallArguments:
+    """A recorded sublayer call, shaped like a Keras `Node` for
+    `_composite_rule`: its arguments and the tensors among them."""
+
+    args: tuple
+    kwargs: dict
+    input_tensors: list
+
+    @property
+    def arguments(self):
+        return self
+
+    def fill_in(self, specs):
+        return keras.tree.map_structure(lambda x: specs.get(id(x), x), (self.args, self.kwargs))
+
+
+def _call_parameters(layer):
+    import inspect
+
+    try:
+        return inspect.signature(layer.call).parameters
+    except (TypeError, ValueError):
+        return {}
 
 
 def is_expensive(layer):
@@ -494,7 +597,7 @@ def _costs(graph, batch_size):
         data = graph.nodes[key]
         ins = [tensors[k] for k in data["in_keys"]]
         outs = [tensors[k] for k in data["out_keys"]]
-        rule = _rule(data["layer"], ins, outs)
+        rule = _rule(data["layer"], ins, outs, data.get("node"))
         rules[key] = rule
         saved.update(ins[i].key for i in rule.saved_inputs if i < len(ins) and _is_float(ins[i]))
         saved.update(outs[i].key for i in rule.saved_outputs if i < len(outs))

@@ -193,3 +193,40 @@ def test_policy_classification():
     assert named(layers.Dense(3, name="keep_me")) and named(layers.ReLU()) and not named(layers.Dense(3))
     assert named == graphckpt.policies.save_these_layers("keep_me", "ReLU")  # frozen: hashes, compares
     assert hash(named)
+
+
+class _Block(keras.layers.Layer):
+    """A layer of layers, as keras_hub's TransformerDecoder: graphckpt sees
+    one call."""
+
+    def __init__(self, dim=16, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(2, dim // 2)
+        self.norm = keras.layers.LayerNormalization()
+        self.dense = keras.layers.Dense(dim, activation="gelu")
+
+    def call(self, x, training=None):
+        x = x + self.attention(x, x, training=training)
+        return self.dense(self.norm(x))
+
+
+def test_a_layer_of_layers_is_the_sum_of_its_sublayer_calls():
+    tokens = keras.Input((None, 16))
+    model = keras.Model(tokens, keras.layers.Dense(1)(_Block()(keras.layers.Dense(16)(tokens))))
+
+    def block(seq):
+        (call,) = [c for c in graphckpt.estimate(model, input_shape=(2, seq, 16)).calls if c.class_name == "_Block"]
+        return call
+
+    short, long = block(16), block(128)
+    assert short.rule == "layers inside" and short.expensive
+    # The attention inside keeps heads x T x T scores: more than linear in T.
+    assert long.kept_bytes > 10 * short.kept_bytes  # x8 would be linear
+    # At least what the sublayers keep as Keras layers of the graph would.
+    flat_in = keras.Input((None, 16))
+    h = keras.layers.Dense(16)(flat_in)
+    h = keras.layers.Add()([h, keras.layers.MultiHeadAttention(2, 8)(h, h)])
+    flat = keras.Model(flat_in, keras.layers.Dense(1)(keras.layers.Dense(16, activation="gelu")(keras.layers.LayerNormalization()(h))))
+    calls = graphckpt.estimate(flat, input_shape=(2, 128, 16)).calls
+    inner = sum(c.kept_bytes for c in calls if c.class_name in ("MultiHeadAttention", "LayerNormalization", "Dense"))
+    assert long.kept_bytes >= 0.8 * inner
