@@ -313,14 +313,21 @@ def _attention_rule(layer, ins, outs):
     query = ins[0]
     value = ins[1] if len(ins) > 1 else ins[0]
     item = _itemsize(query)
-    heads = getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", 1)
-    key_dim = getattr(layer, "key_dim", None) or getattr(layer, "_key_dim", 1)
+    heads = getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", None)
+    key_dim = getattr(layer, "key_dim", None) or getattr(layer, "_key_dim", None)
     value_dim = getattr(layer, "value_dim", None) or getattr(layer, "_value_dim", None) or key_dim
+    kv_heads = heads
+    if heads is None:  # GroupedQueryAttention: fewer key/value heads than query heads
+        heads = getattr(layer, "num_query_heads", None) or 1
+        key_dim = value_dim = getattr(layer, "head_dim", None) or 1
+        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+    key_dim = key_dim or 1
+    value_dim = value_dim or key_dim
     t = math.prod(d or 1 for d in query.shape[1:-1])
     s = math.prod(d or 1 for d in value.shape[1:-1])
     e_q, e_v = query.shape[-1] or 1, value.shape[-1] or 1
     e_out = outs[0].shape[-1] or 1 if outs else e_q
-    q, k, v, a = t * heads * key_dim, s * heads * key_dim, s * heads * value_dim, t * heads * value_dim
+    q, k, v, a = t * heads * key_dim, s * kv_heads * key_dim, s * kv_heads * value_dim, t * heads * value_dim
     scores = heads * t * s
     internal = (q + k + v) * item + _MHA_SCORE_BUFFERS * scores * item
     flops = 2.0 * (q * e_q + k * e_v + v * e_v + a * e_out) + 2.0 * scores * (key_dim + value_dim)

@@ -230,3 +230,20 @@ def test_a_layer_of_layers_is_the_sum_of_its_sublayer_calls():
     calls = graphckpt.estimate(flat, input_shape=(2, 128, 16)).calls
     inner = sum(c.kept_bytes for c in calls if c.class_name in ("MultiHeadAttention", "LayerNormalization", "Dense"))
     assert long.kept_bytes >= 0.8 * inner
+
+
+def test_grouped_query_attention_is_estimated_with_its_own_heads():
+    """GroupQueryAttention names its heads `num_query_heads`/`head_dim`:
+    its scores are query heads x T x S, as MultiHeadAttention's with as
+    many heads."""
+    def kept(attention, seq=64):
+        x = keras.Input((None, 32))
+        model = keras.Model(x, attention(x, x))
+        (call,) = [c for c in graphckpt.estimate(model, input_shape=(2, seq, 32)).calls if c.rule == "attention"]
+        return call.kept_bytes
+
+    gqa = kept(keras.layers.GroupQueryAttention(head_dim=8, num_query_heads=4, num_key_value_heads=2))
+    mha = kept(keras.layers.MultiHeadAttention(num_heads=4, key_dim=8))
+    scores = 4 * 64 * 64 * 4  # heads x T x S float32, per example
+    assert gqa > 2 * scores
+    assert 0.8 * mha < gqa < mha  # fewer key/value heads: a little less
