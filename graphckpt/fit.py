@@ -249,8 +249,9 @@ def _check_own_call(model):
     graph, so a `call` of its own would be skipped: refuse it."""
     from graphckpt import api
 
-    overrides = api.overridden_methods(model, ("call",))
-    if overrides:
+    functional = isinstance(model, (keras.src.models.functional.Functional, keras.Sequential))
+    overrides = api.overridden_methods(model, ("call",)) if functional else []
+    if overrides:  # (a model that is not functional gets `checkpoint_model`'s error)
         raise errors.UnsupportedModelError(
             f"Model '{model.name}' of class {type(model).__name__} overrides {overrides[0]}. "
             "`fit(gradient_checkpointing=...)` recomputes the model's layer graph, so your `call` "
