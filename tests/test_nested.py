@@ -1,0 +1,43 @@
+"""A `keras.applications` backbone called as one layer (Keras's
+transfer-learning pattern, issue 12): flattened, cut inside, exact."""
+
+import keras
+import numpy as np
+
+import graphckpt
+from graphckpt.segment import Segment
+from tests.helpers import compare_step
+
+
+def _transfer(trainable=True):
+    keras.utils.set_random_seed(0)
+    base = keras.applications.MobileNetV2(alpha=0.35, include_top=False, weights=None, input_shape=(32, 32, 3))
+    base.trainable = trainable
+    inp = keras.Input((32, 32, 3), name="image")
+    x = keras.layers.GlobalAveragePooling2D()(base(inp))
+    return keras.Model(inp, keras.layers.Dense(3)(x)), base
+
+
+def _images():
+    return np.random.default_rng(0).normal(size=(4, 32, 32, 3)).astype("float32")
+
+
+def test_a_backbone_called_as_a_layer_is_cut_inside_and_trains_exactly():
+    model, base = _transfer()
+    ck = graphckpt.checkpoint_model(model, segments=4)
+    segments = [layer for layer in ck.layers if isinstance(layer, Segment)]
+    base_layers = {id(layer) for layer in base.layers}
+    holding = [s for s in segments if any(id(layer) in base_layers for layer in s.model.layers)]
+    assert len(holding) >= 3  # the backbone's layers are spread over segments
+    assert {id(v) for v in ck.weights} == {id(v) for v in model.weights}
+    compare_step(model, ck, _images())  # BatchNorm statistics included
+    assert all(s.forward_calls >= 2 for s in segments)
+    rows = [name for _, _, names in ck._segment_rows() for name in names]
+    assert f"{base.name}/block_1_expand" in rows
+
+
+def test_a_frozen_backbone_stays_frozen_and_the_head_trains_exactly():
+    model, base = _transfer(trainable=False)
+    ck = graphckpt.checkpoint_model(model, segments=4)
+    assert len(ck.trainable_variables) == len(model.trainable_variables) == 2  # the head's kernel and bias
+    compare_step(model, ck, _images())  # frozen BatchNorm layers run in inference mode in both
