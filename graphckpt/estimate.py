@@ -394,7 +394,9 @@ def _rule(layer, ins, outs, node=None):
     if cls in _MATMUL:
         saved_out, internal, suffix = _activation_rule(_activation_name(layer), 0, out_bytes)
         return _Rule(all_in, saved_out, internal, _kernel_flops(layer, outs, ins), True, "matmul" + suffix)
-    if cls in _ATTENTION:
+    # Subclasses too: keras_hub's cached attention layers are MultiHeadAttention.
+    attention = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
+    if cls in _ATTENTION or isinstance(layer, attention):
         return _attention_rule(layer, ins, outs)
     if cls in _DOT_ATTENTION:
         q = _elems(ins[0])

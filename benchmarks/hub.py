@@ -1,0 +1,197 @@
+"""keras_hub measurements for issue 12: a GPT-2 backbone at its real shapes,
+a LoRA causal LM through the fit flag, and the longest sequence that fits a
+memory budget.
+
+Every figure comes from `graphckpt.measure` (a fresh process per run,
+TensorFlow allocator statistics, the peak training step above the resident
+state), baseline and graphckpt alternating round by round; ratios are
+medians of the per-round ratios. Models are built from constructor
+arguments with random init.
+
+Usage:
+    python benchmarks/hub.py backbone [--repeats 3]
+    python benchmarks/hub.py lora [--repeats 3]
+    python benchmarks/hub.py longest [--budget-mib 1024]
+    python benchmarks/hub.py exact            # fit flag vs plain fit, LoRA, dropout on
+
+Writes benchmarks/results/hub_<what>.json.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from graphckpt.measure import format_bytes, measure  # noqa: E402
+
+ME = os.path.abspath(__file__)
+RESULTS = os.path.join(HERE, "results")
+
+# The issue's backbone: 12 blocks x 256, 4 heads, intermediate 1024.
+BACKBONE = dict(num_layers=12, num_heads=4, hidden_dim=256, intermediate_dim=1024, dropout=0.1)
+# The causal LM: 4 blocks x 256 with a 5,000-token vocabulary (the logits,
+# batch x seq x vocab, are the same with or without checkpointing).
+LM = dict(vocabulary_size=5000, num_layers=4, num_heads=4, hidden_dim=256, intermediate_dim=1024, dropout=0.1)
+
+
+def gpt2_backbone(vocabulary_size=50257, max_sequence_length=1024, **kwargs):
+    import keras_hub
+
+    return keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocabulary_size, max_sequence_length=max_sequence_length, **{**BACKBONE, **kwargs}
+    )
+
+
+def lora_causal_lm(max_sequence_length=4096, rank=4, **kwargs):
+    """A GPT2CausalLM (no preprocessor) whose backbone has LoRA on."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(max_sequence_length=max_sequence_length, **{**LM, **kwargs})
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    lm.backbone.enable_lora(rank)
+    return lm
+
+
+def fit_flag_twin(build, seq):
+    """What `fit(..., gradient_checkpointing=True)` trains in place of
+    `build()`'s forward pass: its checkpointed twin, planned for the data's
+    shapes (`graphckpt.fit` builds the same one), over the same layers."""
+    from graphckpt.fit import _twin_for
+
+    model = build()
+    twin = _twin_for(model, {"input_shape": _shape(8, seq)})
+    return twin.model
+
+
+def _shape(batch, seq):
+    return {"token_ids": [batch, seq], "padding_mask": [batch, seq]}
+
+
+def _ratio_rows(runs):
+    base = [r for r in runs if r["label"] == "baseline"]
+    ours = [r for r in runs if r["label"] != "baseline"]
+    peaks = [o["peak_bytes"] / b["peak_bytes"] for b, o in zip(base, ours)]
+    times = [o["step_time_s"] / b["step_time_s"] for b, o in zip(base, ours)]
+    return {
+        "peak_ratio": statistics.median(peaks),
+        "time_ratio": statistics.median(times),
+        "baseline_peak_bytes": statistics.median(r["peak_bytes"] for r in base),
+        "graphckpt_peak_bytes": statistics.median(r["peak_bytes"] for r in ours),
+        "num_segments": ours[0]["num_segments"],
+    }
+
+
+def _pair(builder, batch, shape, method_spec, repeats, builder_kwargs=None, steps=3):
+    runs = []
+    for rnd in range(repeats):
+        for label, spec in (("baseline", dict(method="baseline")), ("graphckpt", method_spec)):
+            m = measure(
+                builder, batch_size=batch, builder_kwargs=builder_kwargs or {}, input_shape=shape, label=label,
+                steps=steps, warmup=2, timeout=1200, check=True, **spec,
+            )
+            d = m.to_dict()
+            d["round"] = rnd
+            runs.append(d)
+            print(f"  round {rnd} {label}: peak {format_bytes(m.peak_bytes)}, step {m.step_time_s:.2f} s", flush=True)
+    return runs
+
+
+def run_backbone(args):
+    shape = _shape(8, 512)
+    spec = dict(method="graphckpt", checkpoint_kwargs={"input_shape": shape})
+    runs = _pair(f"{ME}:gpt2_backbone", 8, shape, spec, args.repeats)
+    return {"model": {"GPT2Backbone": BACKBONE, "vocabulary_size": 50257}, "batch": 8, "seq": 512, "runs": runs,
+            "summary": _ratio_rows(runs), "target": {"peak": 0.20, "time": 1.40}}
+
+
+def run_lora(args):
+    shape = _shape(8, args.seq)
+    spec = dict(method=f"{ME}:fit_flag_twin", method_kwargs={"seq": args.seq})
+    runs = _pair(f"{ME}:lora_causal_lm", 8, shape, spec, args.repeats)
+    return {"model": {"GPT2CausalLM": LM, "lora_rank": 4}, "batch": 8, "seq": args.seq, "runs": runs,
+            "summary": _ratio_rows(runs), "target": {"peak": 0.35}}
+
+
+def run_longest(args):
+    """Doubling, then bisection on multiples of 64, for each method."""
+    budget = args.budget_mib * 2**20
+    found = {}
+    for label in ("baseline", "graphckpt"):
+        tried = {}
+
+        def fits(seq):
+            spec = dict(method="baseline") if label == "baseline" else dict(
+                method=f"{ME}:fit_flag_twin", method_kwargs={"seq": seq}
+            )
+            m = measure(f"{ME}:lora_causal_lm", batch_size=8, input_shape=_shape(8, seq), label=label, steps=2,
+                        warmup=1, timeout=1800, check=False, **spec)
+            ok = m.ok and m.peak_bytes <= budget
+            tried[seq] = m.peak_bytes if m.ok else None
+            print(f"  {label} seq {seq}: {format_bytes(m.peak_bytes) if m.ok else m.error} -> {'fits' if ok else 'no'}",
+                  flush=True)
+            return ok
+
+        lo, hi = 0, 64
+        while fits(hi):
+            lo, hi = hi, hi * 2
+        while hi - lo > 64:
+            mid = (lo + hi) // 2 // 64 * 64
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        found[label] = {"longest": lo, "tried": tried}
+    ratio = found["graphckpt"]["longest"] / max(found["baseline"]["longest"], 1)
+    return {"model": {"GPT2CausalLM": LM, "lora_rank": 4}, "batch": 8, "budget_bytes": budget, "methods": found,
+            "summary": {"longest_ratio": ratio}, "target": {"longest_ratio": 3.0}}
+
+
+def run_exact(args):
+    """fit(gradient_checkpointing=True) vs plain fit of the LoRA LM, dropout
+    on, the same seeds: loss history and every variable."""
+    import keras
+    import numpy as np
+
+    import graphckpt
+
+    def fit(flag):
+        keras.utils.set_random_seed(0)
+        lm = lora_causal_lm(max_sequence_length=256)
+        lm.compile(optimizer=keras.optimizers.Adam(1e-3))
+        rng = np.random.default_rng(0)
+        x = {"token_ids": rng.integers(1, LM["vocabulary_size"], (16, 128)), "padding_mask": np.ones((16, 128), "int32")}
+        y = rng.integers(1, LM["vocabulary_size"], (16, 128))
+        keras.utils.set_random_seed(1)
+        history = lm.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, gradient_checkpointing=flag)
+        return history.history["loss"], [np.asarray(v) for v in lm.weights]
+
+    graphckpt.install()
+    (plain, w0), (flagged, w1) = fit(None), fit(True)
+    worst = max(float(np.max(np.abs(a - b))) if a.size else 0.0 for a, b in zip(w0, w1))
+    ok = np.allclose(flagged, plain, rtol=1e-4) and all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(w1, w0))
+    print(f"  plain {plain}\n  flag  {flagged}\n  largest weight difference {worst:.2e}: {'exact' if ok else 'DIFFERS'}")
+    return {"plain_loss": plain, "flag_loss": flagged, "max_abs_weight_diff": worst, "exact": bool(ok)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["backbone", "lora", "longest", "exact"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--budget-mib", type=int, default=1024)
+    args = parser.parse_args()
+    result = {"backbone": run_backbone, "lora": run_lora, "longest": run_longest, "exact": run_exact}[args.what](args)
+    result["date"] = datetime.date.today().isoformat()
+    result["command"] = "python benchmarks/hub.py " + " ".join(sys.argv[1:])
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"hub_{args.what}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(json.dumps(result.get("summary", {k: result[k] for k in ("exact", "max_abs_weight_diff")}), indent=1))
+
+
+if __name__ == "__main__":
+    main()
