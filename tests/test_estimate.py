@@ -247,3 +247,13 @@ def test_grouped_query_attention_is_estimated_with_its_own_heads():
     scores = 4 * 64 * 64 * 4  # heads x T x S float32, per example
     assert gqa > 2 * scores
     assert 0.8 * mha < gqa < mha  # fewer key/value heads: a little less
+
+
+def test_a_subclass_of_multi_head_attention_gets_its_rule():
+    class Cached(keras.layers.MultiHeadAttention):  # as keras_hub's CachedMultiHeadAttention
+        pass
+
+    x = keras.Input((None, 32))
+    model = keras.Model(x, Cached(num_heads=4, key_dim=8)(x, x))
+    (call,) = [c for c in graphckpt.estimate(model, input_shape=(2, 64, 32)).calls if c.class_name == "Cached"]
+    assert call.rule == "attention" and call.kept_bytes > 2 * 4 * 64 * 64 * 4  # heads x T x S scores
