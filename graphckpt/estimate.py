@@ -32,6 +32,7 @@ All results are frozen dataclasses of plain values.
 
 import contextlib
 import dataclasses
+import inspect
 import math
 
 import keras
@@ -514,9 +515,10 @@ def _composite_rule(layer, node, ins):
         return None
     kept, internal, flops, expensive = {}, 0.0, 0.0, False
     for sub, sub_args, sub_kwargs, sub_outputs in record:
-        sub_ins = [_info(t) for t in _tensors((sub_args, sub_kwargs))]
+        sub_tensors = _tensors((sub_args, sub_kwargs))
+        sub_ins = [_info(t) for t in sub_tensors]
         sub_outs = [_info(t) for t in _tensors(sub_outputs)]
-        rule = _rule(sub, sub_ins, sub_outs, _CallArguments(sub_args, sub_kwargs, _tensors((sub_args, sub_kwargs))))
+        rule = _rule(sub, sub_ins, sub_outs, _CallArguments(sub_args, sub_kwargs, sub_tensors))
         kept.update((sub_ins[i].key, sub_ins[i].nbytes) for i in rule.saved_inputs if _is_float(sub_ins[i]))
         kept.update((sub_outs[i].key, sub_outs[i].nbytes) for i in rule.saved_outputs)
         internal += rule.internal
@@ -543,8 +545,6 @@ class _CallArguments:
 
 
 def _call_parameters(layer):
-    import inspect
-
     try:
         return inspect.signature(layer.call).parameters
     except (TypeError, ValueError):

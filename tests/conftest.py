@@ -20,3 +20,13 @@ def _fresh_keras_state():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def installed():
+    """The fit flag installed for the test, removed after it."""
+    import graphckpt
+
+    graphckpt.install()
+    yield
+    graphckpt.uninstall()

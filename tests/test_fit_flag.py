@@ -15,13 +15,6 @@ from tests import models
 from tests.helpers import state_of
 
 
-@pytest.fixture
-def installed():
-    graphckpt.install()
-    yield
-    graphckpt.uninstall()
-
-
 def regularized(seed=7):
     """Dropout, activity and weight regularizers, an `add_loss` layer: every
     kind of layer loss a segment must hand back to the model."""

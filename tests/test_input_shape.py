@@ -289,13 +289,6 @@ def test_parse_input_shape_fills_the_batch():
 # ---------------------------------------------------------------- the fit flag
 
 
-@pytest.fixture
-def installed():
-    graphckpt.install()
-    yield
-    graphckpt.uninstall()
-
-
 def _twin_plan(model):
     from graphckpt.fit import _CACHE_ATTR
 

@@ -151,13 +151,6 @@ def _fit_lm(lm, flag, epochs=2):
     return history.history["loss"]
 
 
-@pytest.fixture
-def installed():
-    graphckpt.install()
-    yield
-    graphckpt.uninstall()
-
-
 @pytest.mark.parametrize(
     "arch, lora",
     [("gpt2", False), pytest.param("gpt2", True, marks=pytest.mark.backends), ("gemma", True)],

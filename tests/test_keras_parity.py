@@ -24,13 +24,6 @@ Y = np.random.default_rng(1).normal(size=(32, 1)).astype("float32")
 FIT = {"batch_size": 8, "epochs": 1, "shuffle": False, "verbose": 0}
 
 
-@pytest.fixture
-def installed():
-    graphckpt.install()
-    yield
-    graphckpt.uninstall()
-
-
 def weights(model):
     return [to_numpy(v) for v in model.weights]
 

@@ -51,13 +51,6 @@ class OnlyBuilds(keras.Model):
         super().__init__(inp, out, **kwargs)
 
 
-@pytest.fixture
-def installed():
-    graphckpt.install()
-    yield
-    graphckpt.uninstall()
-
-
 def _weights(model):
     return [to_numpy(v) for v in model.weights]
 
