@@ -47,6 +47,7 @@ from graphckpt.plan import (
     smallest_peak,
     topological_order,
 )
+from graphckpt import rules
 from graphckpt.shapes import propagate, sized_graph
 
 __all__ = [
@@ -121,224 +122,8 @@ class MemoryEstimate:
 
 
 # ------------------------------------------------------------------ rules
-
-# Activations whose TensorFlow gradient reads the activation's output.
-_SAVES_OUTPUT = {"relu", "relu6", "tanh", "sigmoid", "softmax", "log_softmax", "elu", "selu", "exponential"}
-# Activations whose gradient reads the input, with the number of
-# input-sized buffers kept (gelu's erf form keeps two temporaries besides
-# its input; probed: Dense(gelu) keeps 3 tensors of its output's size).
-_SAVES_INPUT = {
-    "softplus": 1,
-    "softsign": 1,
-    "leaky_relu": 1,
-    "silu": 1,
-    "swish": 1,
-    "hard_silu": 1,
-    "hard_swish": 1,
-    "hard_sigmoid": 1,
-    "log_sigmoid": 1,
-    "celu": 2,
-    "mish": 3,
-    "gelu": 3,
-}
-_NO_SAVE_ACTIVATIONS = {"linear", None}
-
-_MATMUL = (
-    "Dense",
-    "EinsumDense",
-    "Conv1D",
-    "Conv2D",
-    "Conv3D",
-    "Conv1DTranspose",
-    "Conv2DTranspose",
-    "Conv3DTranspose",
-    "DepthwiseConv1D",
-    "DepthwiseConv2D",
-    "SeparableConv1D",
-    "SeparableConv2D",
-)
-_ATTENTION = ("MultiHeadAttention", "GroupedQueryAttention", "GroupQueryAttention")
-_DOT_ATTENTION = ("Attention", "AdditiveAttention")
-_RNN = {"LSTM": 7, "GRU": 5, "SimpleRNN": 2, "ConvLSTM1D": 7, "ConvLSTM2D": 7, "ConvLSTM3D": 7}
-_FREE = {
-    # Gradients that need only shapes: nothing kept.
-    "InputLayer",
-    "Add",
-    "Subtract",
-    "Average",
-    "Concatenate",
-    "Reshape",
-    "Flatten",
-    "Permute",
-    "RepeatVector",
-    "Identity",
-    "ZeroPadding1D",
-    "ZeroPadding2D",
-    "ZeroPadding3D",
-    "Cropping1D",
-    "Cropping2D",
-    "Cropping3D",
-    "UpSampling1D",
-    "UpSampling2D",
-    "UpSampling3D",
-    "AveragePooling1D",
-    "AveragePooling2D",
-    "AveragePooling3D",
-    "GlobalAveragePooling1D",
-    "GlobalAveragePooling2D",
-    "GlobalAveragePooling3D",
-    "GaussianNoise",
-    "Rescaling",
-    "Resizing",
-    "CenterCrop",
-    "Embedding",
-    "Masking",
-    "ActivityRegularization",
-    "Cast",
-}
-_SAVE_INPUTS = {"Multiply", "Maximum", "Minimum", "Dot", "PReLU", "LeakyReLU", "Normalization"}
-_SAVE_IN_AND_OUT = {
-    "MaxPooling1D",
-    "MaxPooling2D",
-    "MaxPooling3D",
-    "GlobalMaxPooling1D",
-    "GlobalMaxPooling2D",
-    "GlobalMaxPooling3D",
-}
-# Keras ops used in a functional graph (keras.ops.*), by class name.
-_OP_MATMUL = {"Matmul", "Einsum", "Tensordot", "Dot"}
-_OP_FREE = {
-    "Add",
-    "Subtract",
-    "Reshape",
-    "Transpose",
-    "ExpandDims",
-    "Squeeze",
-    "Concatenate",
-    "Cast",
-    "NotEqual",
-    "Equal",
-    "Greater",
-    "Less",
-    "Any",
-    "All",
-    "Mean",
-    "Sum",
-    "Negative",
-    "GetItem",
-    "Slice",
-    "StopGradient",
-    "ZerosLike",
-    "OnesLike",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-    """Per-example facts about one call (bytes are per example)."""
-
-    saved_inputs: frozenset = frozenset()
-    saved_outputs: frozenset = frozenset()
-    internal: float = 0.0
-    flops: float = 0.0
-    expensive: bool = False
-    name: str = "free"
-    workspace: float | None = None  # per example; None: the default formula
-    param_bytes: int | None = None  # parameters whose gradients are in flight
-
-
-def _elems(info):
-    return math.prod(d if d is not None else 1 for d in info.shape[1:])
-
-
-def _itemsize(info):
-    n = _elems(info)
-    return info.nbytes / n if n else 4
-
-
-def _activation_name(layer):
-    act = getattr(layer, "activation", None)
-    if act is None:
-        return None
-    name = getattr(act, "__name__", None) or type(act).__name__
-    return name.lower()
-
-
-def _activation_rule(name, out_index=0, out_bytes=0):
-    """(saved outputs, internal bytes, rule suffix) for a fused activation."""
-    if name in _NO_SAVE_ACTIVATIONS:
-        return frozenset(), 0.0, ""
-    if name in _SAVES_OUTPUT:
-        return frozenset({out_index}), 0.0, f"+{name}"
-    if name in _SAVES_INPUT:
-        return frozenset(), _SAVES_INPUT[name] * out_bytes, f"+{name}"
-    return frozenset({out_index}), out_bytes, f"+{name}?"
-
-
-def _kernel_flops(layer, outs, ins):
-    """2 x multiply-adds of a kernel layer: each output element needs
-    (kernel size / output features) multiply-adds."""
-    kernel = getattr(layer, "kernel", None)
-    if kernel is None or not outs:
-        return 2.0 * sum(_elems(o) for o in outs)
-    kshape = tuple(kernel.shape)
-    out_elems = _elems(outs[0])
-    cls = type(layer).__name__
-    if cls == "EinsumDense":
-        eq = layer.equation.replace(" ", "")
-        lhs, out_sub = eq.split("->")
-        k_sub = lhs.split(",")[1]
-        shared = math.prod(d for c, d in zip(k_sub, kshape) if c in out_sub)
-        per_out = math.prod(kshape) / max(shared, 1)
-    elif cls.endswith("Transpose"):
-        # Each input element scatters into kernel_size x out_channels outputs.
-        return 2.0 * _elems(ins[0]) * math.prod(kshape[:-1]) if ins else 0.0
-    elif cls.startswith("Depthwise"):
-        per_out = math.prod(kshape[:-2])
-    else:
-        per_out = math.prod(kshape[:-1])
-    flops = 2.0 * out_elems * per_out
-    if cls.startswith("Separable"):
-        pointwise = getattr(layer, "pointwise_kernel", None)
-        if pointwise is not None:
-            flops += 2.0 * out_elems * math.prod(tuple(pointwise.shape)[:-1])
-    return flops
-
-
-def _attention_rule(layer, ins, outs):
-    """MultiHeadAttention: the q/k/v projections keep their inputs; inside,
-    about three projection-sized buffers (q, k, v) and 2.2 score-sized
-    buffers (heads x T x S: the softmax output and its neighbours) are kept.
-    Fitted on probes over T, E and dropout (docs/estimator.md); dropout
-    made no measurable difference."""
-    query = ins[0]
-    value = ins[1] if len(ins) > 1 else ins[0]
-    item = _itemsize(query)
-    heads = getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", None)
-    key_dim = getattr(layer, "key_dim", None) or getattr(layer, "_key_dim", None)
-    value_dim = getattr(layer, "value_dim", None) or getattr(layer, "_value_dim", None) or key_dim
-    kv_heads = heads
-    if heads is None:  # GroupedQueryAttention: fewer key/value heads than query heads
-        heads = getattr(layer, "num_query_heads", None) or 1
-        key_dim = value_dim = getattr(layer, "head_dim", None) or 1
-        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
-    key_dim = key_dim or 1
-    value_dim = value_dim or key_dim
-    t = math.prod(d or 1 for d in query.shape[1:-1])
-    s = math.prod(d or 1 for d in value.shape[1:-1])
-    e_q, e_v = query.shape[-1] or 1, value.shape[-1] or 1
-    e_out = outs[0].shape[-1] or 1 if outs else e_q
-    q, k, v, a = t * heads * key_dim, s * kv_heads * key_dim, s * kv_heads * value_dim, t * heads * value_dim
-    scores = heads * t * s
-    internal = (q + k + v) * item + _MHA_SCORE_BUFFERS * scores * item
-    flops = 2.0 * (q * e_q + k * e_v + v * e_v + a * e_out) + 2.0 * scores * (key_dim + value_dim)
-    saved = frozenset(range(min(len(ins), 3)))
-    return _Rule(saved_inputs=saved, internal=internal, flops=flops, expensive=True, name="attention")
-
-
-# Score-sized buffers kept per MultiHeadAttention call (probed; see
-# docs/estimator.md).
-_MHA_SCORE_BUFFERS = 2.2
+# Per-layer rules live in graphckpt.rules (a registry keyed by class); the
+# rules here look into layers that hold other layers.
 
 
 def _nested_rule(layer, ins, outs, batch_size):
@@ -358,7 +143,7 @@ def _nested_rule(layer, ins, outs, batch_size):
     internal = sum(c.kept_bytes for c in calls) - sum(
         costs.tensor_bytes[k] for k in set(inner_outputs) if k in costs.saved
     )
-    return _Rule(
+    return rules.LayerRule(
         saved_inputs=saved_in,
         saved_outputs=saved_out,
         internal=internal,
@@ -374,86 +159,18 @@ def _nested_rule(layer, ins, outs, batch_size):
 def _rule(layer, ins, outs, node=None):
     """The per-example rule of one call: `ins`/`outs` are its TensorInfos;
     `node`, its Keras `Node`, lets a layer of layers be looked into."""
-    cls = type(layer).__name__
-    out_bytes = sum(o.nbytes for o in outs)
-    out_elems = sum(_elems(o) for o in outs)
-    all_in = frozenset(range(len(ins)))
-    all_out = frozenset(range(len(outs)))
     if isinstance(layer, keras.Model):
         return _nested_rule(layer, ins, outs, None)
     if not isinstance(layer, keras.layers.Layer):  # a keras.ops operation
-        if cls in _OP_MATMUL:
-            return _Rule(saved_inputs=all_in, flops=2.0 * out_elems * (ins[0].shape[-1] or 1), expensive=True, name="op matmul")
-        if cls in _OP_FREE:
-            return _Rule(flops=out_elems, name="op free")
-        act = cls.lower()
-        if act in _SAVES_OUTPUT or act in _SAVES_INPUT:
-            saved_out, internal, _ = _activation_rule(act, 0, out_bytes)
-            saved_in = all_in if act in _SAVES_INPUT else frozenset()
-            return _Rule(saved_in, saved_out, max(0.0, internal - out_bytes), out_elems, name=f"op {act}")
-        return _Rule(all_in, all_out, out_bytes, out_elems, name="unknown")
-    if cls in _MATMUL:
-        saved_out, internal, suffix = _activation_rule(_activation_name(layer), 0, out_bytes)
-        return _Rule(all_in, saved_out, internal, _kernel_flops(layer, outs, ins), True, "matmul" + suffix)
-    # Subclasses too: keras_hub's cached attention layers are MultiHeadAttention.
-    attention = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
-    if cls in _ATTENTION or isinstance(layer, attention):
-        return _attention_rule(layer, ins, outs)
-    if cls in _DOT_ATTENTION:
-        q = _elems(ins[0])
-        v = _elems(ins[1]) if len(ins) > 1 else q
-        t, s = ins[0].shape[1] or 1, ins[1].shape[1] if len(ins) > 1 and ins[1].shape[1] else 1
-        scores = t * s
-        return _Rule(all_in, frozenset(), 2 * scores * _itemsize(ins[0]), 4.0 * scores * (q / t), True, "attention")
-    if cls in _RNN:
-        units = getattr(layer, "units", None) or getattr(getattr(layer, "cell", None), "units", 1)
-        steps = ins[0].shape[1] or 1
-        per_step = _RNN[cls] * units * _itemsize(ins[0])
-        feat = ins[0].shape[-1] or 1
-        gates = {"LSTM": 4, "GRU": 3}.get(cls, 1)
-        flops = 2.0 * steps * gates * units * (feat + units)
-        return _Rule(frozenset({0}), frozenset(), steps * per_step, flops, True, "rnn")
-    if cls == "Bidirectional":
-        inner = _rule(layer.forward_layer, ins, outs)
-        return dataclasses.replace(inner, internal=2 * inner.internal, flops=2 * inner.flops, name="rnn")
-    if cls == "TimeDistributed":
-        return dataclasses.replace(_rule(layer.layer, ins, outs), name="time distributed")
-    if cls in ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "AlphaDropout"):
-        if not getattr(layer, "rate", 0):
-            return _Rule(name="dropout off")
-        # A one-byte keep mask (of the noise shape for spatial dropout).
-        mask = out_elems
-        if cls.startswith("Spatial") and outs:
-            shape = outs[0].shape
-            mask = (shape[-1] or 1) if len(shape) > 2 else out_elems
-        if cls == "AlphaDropout":
-            return _Rule(internal=out_bytes, flops=3.0 * out_elems, name="alpha dropout")
-        return _Rule(internal=mask, flops=2.0 * out_elems, name="dropout")
-    if cls == "GaussianDropout":
-        return _Rule(internal=out_bytes if getattr(layer, "rate", 0) else 0.0, flops=2.0 * out_elems, name="dropout")
-    if cls in ("BatchNormalization",):
-        return _Rule(all_in, frozenset(), 0.0, 5.0 * out_elems, name="batch norm")
-    if cls in ("LayerNormalization", "GroupNormalization", "UnitNormalization", "RMSNormalization"):
-        return _Rule(all_in, frozenset(), out_bytes, 6.0 * out_elems, name="layer norm")
-    if cls in ("ReLU", "ELU", "Softmax"):
-        return _Rule(frozenset(), all_out, 0.0, out_elems, name=cls.lower())
-    if cls == "Activation":
-        name = _activation_name(layer)
-        saved_out, internal, suffix = _activation_rule(name, 0, out_bytes)
-        saved_in = all_in if name in _SAVES_INPUT else frozenset()
-        internal = max(0.0, internal - out_bytes) if name in _SAVES_INPUT else internal
-        return _Rule(saved_in, saved_out, internal, 4.0 * out_elems, name="activation" + suffix)
-    if cls in _FREE:
-        return _Rule(flops=out_elems, name="free")
-    if cls in _SAVE_INPUTS:
-        return _Rule(all_in, frozenset(), 0.0, out_elems, name="saves inputs")
-    if cls in _SAVE_IN_AND_OUT:
-        return _Rule(all_in, all_out, 0.0, sum(_elems(i) for i in ins), name="max pooling")
+        return rules.rule_of_op(layer, ins, outs)
+    found = rules.rule_of_layer(layer, ins, outs)
+    if found is not None:
+        return found
     if node is not None and layer._layers:
         composite = _composite_rule(layer, node, ins)
         if composite is not None:
             return composite
-    return _Rule(all_in, all_out, out_bytes, out_elems, name="unknown")
+    return rules.unknown_rule(layer, ins, outs)
 
 
 @contextlib.contextmanager
@@ -524,7 +241,7 @@ def _composite_rule(layer, node, ins):
         internal += rule.internal
         flops += rule.flops
         expensive = expensive or rule.expensive
-    return _Rule(internal=internal + sum(kept.values()), flops=flops, expensive=expensive, name="layers inside")
+    return rules.LayerRule(internal=internal + sum(kept.values()), flops=flops, expensive=expensive, name="layers inside")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,16 +270,17 @@ def _call_parameters(layer):
 
 def is_expensive(layer):
     """True for matmul-like layers: Dense, EinsumDense, convolutions,
-    attention, recurrent layers (and nested models holding any)."""
-    cls = type(layer).__name__
+    attention, recurrent layers, classes registered with `expensive=True`
+    (and nested models or wrappers holding any)."""
     if isinstance(layer, keras.Model):
         return any(is_expensive(inner) for inner in layer.layers)
-    if cls in ("Bidirectional", "TimeDistributed"):
+    if isinstance(layer, (keras.layers.Bidirectional, keras.layers.TimeDistributed)):
         inner = getattr(layer, "forward_layer", None) or getattr(layer, "layer", None)
         return is_expensive(inner)
     if not isinstance(layer, keras.layers.Layer):
-        return cls in _OP_MATMUL
-    return cls in _MATMUL or cls in _ATTENTION or cls in _DOT_ATTENTION or cls in _RNN
+        return rules.op_is_expensive(layer)
+    found = rules.registered_rule(type(layer))
+    return bool(found and found[1])
 
 
 # ------------------------------------------------------------------ costs

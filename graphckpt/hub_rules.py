@@ -1,0 +1,93 @@
+"""Estimator rules for keras_hub's own layers, registered by
+`graphckpt.rules` when the first keras_hub layer is estimated (the
+estimator never imports keras_hub itself).
+
+keras_hub's transformer blocks (`TransformerDecoder`, `LlamaTransformerDecoder`,
+...) hold sublayers and are estimated by the layer-of-layers rule in
+`graphckpt.estimate`, which applies these rules to the sublayers it finds.
+"""
+
+import importlib
+import inspect
+import sys
+
+from graphckpt import rules
+
+_HUB_LAYERS = "keras_hub.src.layers.modeling."
+
+
+def _free(layer, ins, outs):
+    return rules.LayerRule(flops=sum(rules.elems(o) for o in outs), name="free")
+
+
+def _rms_norm(layer, ins, outs):
+    return rules.LayerRule(
+        frozenset(range(len(ins))),
+        internal=sum(o.nbytes for o in outs),
+        flops=6.0 * sum(rules.elems(o) for o in outs),
+        name="layer norm",
+    )
+
+
+def _grouped_attention(layer, ins, outs):
+    """keras_hub's attention layers of decoder LMs (Llama, Gemma, Mistral,
+    Qwen, ...): self-attention over the hidden states with
+    `num_query_heads` query heads and `num_key_value_heads` key/value heads
+    of `head_dim` (hidden size / query heads where not set), scores as in
+    MultiHeadAttention."""
+    heads = layer.num_query_heads
+    head_dim = getattr(layer, "head_dim", None) or (ins[0].shape[-1] or heads) // heads
+    return rules.attention_rule(
+        ins, outs, heads, head_dim, kv_heads=getattr(layer, "num_key_value_heads", None), self_attention=True
+    )
+
+
+def _class(module, name):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):  # another keras_hub version
+        return None
+
+
+_SCANNED = set()
+
+
+def register(module_name):
+    """Registers keras_hub's rules once, and the attention layers of
+    `module_name` and of every keras_hub model module loaded since."""
+    if module_name in _SCANNED:
+        return
+    if not _SCANNED:
+        _register_layers()
+        _SCANNED.add(_HUB_LAYERS)
+    _SCANNED.add(module_name)  # even if no model module: a layers module
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("keras_hub.src.models.") or (name in _SCANNED and name != module_name):
+            continue
+        _SCANNED.add(name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == name and _takes_grouped_heads(cls):
+                rules.register_layer_rule(cls, _grouped_attention, expensive=True)
+
+
+def _register_layers():
+    fixed = {
+        "rms_normalization.RMSNormalization": (_rms_norm, False),
+        "position_embedding.PositionEmbedding": (_free, False),
+        "rotary_embedding.RotaryEmbedding": (_free, False),
+        "token_and_position_embedding.TokenAndPositionEmbedding": (_free, False),
+    }
+    for path, (rule, expensive) in fixed.items():
+        module, name = path.rsplit(".", 1)
+        cls = _class(_HUB_LAYERS + module, name)
+        if cls is not None:
+            rules.register_layer_rule(cls, rule, expensive=expensive)
+
+
+def _takes_grouped_heads(cls):
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+    return "num_query_heads" in params and "num_key_value_heads" in params
+
