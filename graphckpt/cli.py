@@ -270,6 +270,19 @@ _MISSING_CLASS = re.compile(r"Could not locate (class|function)|Could not deseri
 _MODEL_SUFFIXES = (".keras", ".h5", ".hdf5")
 
 
+def _root_cause(error):
+    """The exception at the bottom of `error`'s chain: Keras wraps the
+    reason a nested layer did not load ("Could not locate class ...") in a
+    generic "could not be deserialized properly"."""
+    seen = {id(error)}
+    while True:
+        inner = error.__cause__ or error.__context__
+        if inner is None or id(inner) in seen:
+            return error
+        seen.add(id(inner))
+        error = inner
+
+
 def _load_tip(path, error):
     """What to try when `path` did not load with `error`."""
     if not path.lower().endswith(_MODEL_SUFFIXES):
@@ -299,10 +312,11 @@ def _load(path, imports, debug):
     except Exception as e:
         if debug:
             traceback.print_exc()
-        gist = _gist(e)
+        cause = _root_cause(e)
+        gist = _gist(cause)
         stop = "" if gist.endswith((".", "!", "?", "...")) else "."
         raise CliError(
-            f"could not load {path} as a Keras model. {type(e).__name__}: {gist}{stop} {_load_tip(path, e)}"
+            f"could not load {path} as a Keras model. {type(cause).__name__}: {gist}{stop} {_load_tip(path, cause)}"
         ) from None
     if not isinstance(model, keras.Model):
         raise CliError(f"{path} holds a {type(model).__name__}, not a Keras model")
@@ -545,23 +559,18 @@ def _segments_cell(label, measurement, plan):
 
 
 def plan_warning(plan, model_name):
-    """Why `plan` saves no memory by its own estimate, or None.
+    """Why `plan`, which recomputes, saves no memory by its own estimate, or None.
 
     A recomputed segment keeps its inputs and holds its whole interior
     again in its backward: a plan with few or short segments can need more
     memory than no plan at all.
     """
-    total, recomputed = segment_counts(plan)
+    _, recomputed = segment_counts(plan)
     peak, baseline = plan.estimated_peak_bytes, plan.baseline_peak_bytes
     if peak is None or baseline is None:
         return None
-    if recomputed == 0:
-        if plan.strategy == "budget":  # graphckpt.plan already warned: the budget needs no cut
-            return None
-        return (
-            f"the plan for model '{model_name}' ({segments_phrase(plan)}) checkpoints nothing: no cut lowers its "
-            f"estimated peak ({_bytes(baseline)}). The model is too small or too shallow to gain from checkpointing."
-        )
+    if recomputed == 0:  # no checkpointing, no extra memory; the table says "0 recomputed"
+        return None
     if peak >= baseline:
         change = "raises" if peak > baseline else "does not lower"
         more = f" ({peak - baseline:+,} bytes)" if _bytes(peak) == _bytes(baseline) and peak != baseline else ""
@@ -673,11 +682,6 @@ def _cmd_demo(args):
     model = demo_model(args.depth, args.width)
     kwargs = _planner_kwargs(args)
     the_plan = graphckpt.plan(model, **kwargs)
-    console.print(
-        f"[bold]graphckpt demo[/bold]: {model.name}, a chain of {_plural(args.depth, 'Dense layer')} "
-        f"({args.width} units, tanh) and a Dense(1) head, batch {args.batch_size}.\n\n1. The plan "
-        "(graphckpt.plan): a recomputed segment keeps its boundary tensors for backward and recomputes the rest."
-    )
     if segment_counts(the_plan)[1] == 0:
         # Nothing to show: the checkpointed model would be the model itself.
         raise CliError(
@@ -686,11 +690,17 @@ def _cmd_demo(args):
             f"--depth {DEMO['depth']}) or with --segments N.",
             code=2,
         )
+    console.print(
+        f"[bold]graphckpt demo[/bold]: {model.name}, a chain of {_plural(args.depth, 'Dense layer')} "
+        f"({args.width} units, tanh) and a Dense(1) head, batch {args.batch_size}.\n\n1. The plan "
+        "(graphckpt.plan): a recomputed segment keeps its boundary tensors for backward and recomputes the rest."
+    )
     _warn_if_no_saving(the_plan, model.name)
     render_table(describe(model, build_graph(model), the_plan, args.batch_size), console)
     ck = graphckpt.checkpoint_model(model, **kwargs)
     segment_layers = sum(isinstance(layer, graphckpt.Segment) for layer in ck.layers)
-    inline = "; the others run inline" if segment_counts(the_plan)[0] > segment_layers else ""
+    inline = segment_counts(the_plan)[0] - segment_layers
+    inline = f"; {inline} {'runs' if inline == 1 else 'run'} inline" if inline > 0 else ""
     console.print(
         f"\n2. The rewrite (graphckpt.checkpoint_model): '{ck.name}', with "
         f"{_plural(segment_layers, 'Segment layer')}, one per recomputed segment ({segments_phrase(the_plan)}"
