@@ -490,3 +490,14 @@ def test_budget_arg(text, expected):
 def test_budget_arg_rejects(text):
     with pytest.raises(graphckpt.InvalidArgumentError, match="budget"):
         cli.budget_arg(text)
+
+
+def test_docs_describe_the_demo_model_they_run():
+    # README and docs/cli.md say how deep the demo's chain is: the model agrees.
+    model = cli.demo_model()
+    dense = [layer for layer in model.layers if isinstance(layer, layers.Dense) and layer.name != "head"]
+    readme = (ROOT / "README.md").read_text()
+    (depth,) = re.findall(r"make demo .*a built-in chain of ([0-9]+) Dense layers", readme)
+    assert int(depth) == len(dense) == cli.DEMO["depth"]
+    assert f"a chain of {len(dense)} Dense layers" in (ROOT / "docs" / "cli.md").read_text()
+    assert "64-layer model" not in readme
