@@ -4,12 +4,15 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# The versions CI tests (torch==2.13.0, ...): pins for this install only,
+# kept out of the published extras. `make install CONSTRAINTS=` drops them.
+CONSTRAINTS ?= constraints-ci.txt
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test,bench]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $@
 
 .PHONY: install demo test test-slow bench

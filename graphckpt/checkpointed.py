@@ -27,7 +27,7 @@ import keras
 from keras import tree
 
 from graphckpt import errors, weights
-from graphckpt.graph import build_graph, functional_of, tensor_key
+from graphckpt.graph import build_graph, call_ordinals, functional_of, tensor_key
 from graphckpt.plan import plan_from_boundaries
 
 __all__ = ["CheckpointedModel", "uncheckpoint", "plan_to_config", "plan_from_config"]
@@ -42,23 +42,12 @@ class _Recipe:
     plan: object
 
 
-def _call_ordinals(graph):
-    """Graph node key -> (layer_name, k): the k-th call of that layer in the
-    model. Node indices depend on the layer's history outside the model;
-    this count does not, so it survives a save and load."""
-    by_layer = {}
-    for key, data in graph.nodes(data=True):
-        if data["kind"] != "input":
-            by_layer.setdefault(key[0], []).append(key)
-    return {key: (name, k) for name, keys in by_layer.items() for k, key in enumerate(sorted(keys, key=lambda n: n[1]))}
-
-
 def plan_to_config(graph, plan, key_of=None):
     """A plan as JSON-friendly data that does not depend on node indices.
 
     `key_of` (optional) maps each layer call of the plan to the call that
     stands for it in `graph`, when `graph` is a copy of the plan's graph."""
-    ordinal = _call_ordinals(graph)
+    ordinal = call_ordinals(graph)
     key_of = key_of or {}
     config = {
         "strategy": plan.strategy,
@@ -75,7 +64,7 @@ def plan_to_config(graph, plan, key_of=None):
 
 def plan_from_config(graph, config):
     """The `Plan` that `plan_to_config` described, over `graph`."""
-    node_of = {ordinal: key for key, ordinal in _call_ordinals(graph).items()}
+    node_of = {ordinal: key for key, ordinal in call_ordinals(graph).items()}
     order, boundaries = [], []
     for seg in config["segments"]:
         boundaries.append(len(order))

@@ -10,6 +10,7 @@ __all__ = [
     "NotAModelError",
     "UnsupportedModelError",
     "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "InfeasibleBudgetError",
 ]
 
@@ -28,6 +29,10 @@ class UnsupportedModelError(GraphckptError, ValueError):
 
 class InvalidArgumentError(GraphckptError, ValueError):
     """An argument has a value outside the accepted set."""
+
+
+class InvalidArgumentTypeError(GraphckptError, TypeError):
+    """An argument of the wrong type (a model that is not one: `NotAModelError`)."""
 
 
 class InfeasibleBudgetError(InvalidArgumentError):

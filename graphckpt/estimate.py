@@ -37,6 +37,7 @@ import math
 
 import keras
 
+from graphckpt import errors
 from graphckpt.graph import TensorInfo, build_graph, functional_of
 from graphckpt.graph import _itemsize as _dtype_size
 from graphckpt.plan import (
@@ -368,11 +369,13 @@ def resolve_batch_size(model_or_graph, batch_size=None):
     """`batch_size` if given, else the model's fixed batch dimension, else None.
 
     Raises:
-        ValueError: `batch_size` is not a positive int (or None).
+        graphckpt.InvalidArgumentError: `batch_size` is not a positive int (or None).
     """
     if batch_size is not None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive int or None. Received: batch_size={batch_size!r}")
+            raise errors.InvalidArgumentError(
+                f"`batch_size` must be a positive int or None. Received: batch_size={batch_size!r}"
+            )
         return batch_size
     graph = model_or_graph if hasattr(model_or_graph, "graph") and hasattr(model_or_graph, "nodes") else None
     if graph is None:
@@ -427,7 +430,9 @@ def estimate(model, plan=None, *, batch_size=None, graph=None, input_shape=None)
 
     Raises:
         graphckpt.InvalidArgumentError: a wrong `input_shape`, or one whose
-            batch dimension disagrees with `batch_size`.
+            batch dimension disagrees with `batch_size`; a `batch_size` that
+            is not a positive int.
+        graphckpt.InvalidArgumentTypeError: `plan` is not a `Plan` (or None).
 
     Example:
         >>> e = estimate(model, graphckpt.plan(model), batch_size=32)
@@ -445,7 +450,10 @@ def estimate(model, plan=None, *, batch_size=None, graph=None, input_shape=None)
         segments, peak, recompute = (), baseline, 0.0
     else:
         if not isinstance(plan, Plan):
-            raise TypeError(f"`plan` must be a graphckpt.Plan or None. Received: plan={plan!r}")
+            raise errors.InvalidArgumentTypeError(
+                f"`plan` must be a graphckpt.Plan or None. Received: plan={plan!r}. "
+                "Tip: pass what `graphckpt.plan(model)` returns, or None for the model without checkpointing."
+            )
         segments = segment_peaks(graph, plan, costs)
         peak = max(s.peak_bytes for s in segments)
         recompute = sum(s.recompute_cost for s in segments)

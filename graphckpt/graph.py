@@ -44,7 +44,16 @@ import math
 
 import networkx as nx
 
-__all__ = ["TensorInfo", "build_graph", "dependencies", "functional_of", "live_tensors", "tensor_key"]
+__all__ = [
+    "TensorInfo",
+    "build_graph",
+    "call_names",
+    "call_ordinals",
+    "dependencies",
+    "functional_of",
+    "live_tensors",
+    "tensor_key",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,3 +386,40 @@ def live_tensors(graph):
             in_keys = [k for k, x in zip(in_keys, inner.inputs) if id(x) in inner_tensors]
         needed.update(in_keys)
     return needed
+
+
+def call_ordinals(graph):
+    """Each layer call's place among the calls of its layer in the model.
+
+    Node keys hold Keras's node indices, which depend on the layer's history
+    outside the model (a layer called elsewhere first); this count does not,
+    so it survives a save and load.
+
+    Args:
+        graph: a graph from `build_graph`.
+
+    Returns:
+        A dict: node key -> `(layer_path, k)`, for the k-th call (from 0) of
+        that layer in the model. Model inputs are not included.
+    """
+    by_layer = {}
+    for key, data in graph.nodes(data=True):
+        if data["kind"] != "input":
+            by_layer.setdefault(key[0], []).append(key)
+    return {key: (name, k) for name, keys in by_layer.items() for k, key in enumerate(sorted(keys, key=lambda n: n[1]))}
+
+
+def call_names(graph):
+    """A readable name for each node: its layer path, with `#k` for the k-th
+    call (k >= 1) of a layer called more than once. Model inputs keep their
+    layer's name.
+
+    Args:
+        graph: a graph from `build_graph`.
+
+    Returns:
+        A dict: node key -> name, e.g. `"dense_1"`, `"shared#1"`,
+        `"block@1/conv"` (a nested model's second call, see `build_graph`).
+    """
+    ordinals = call_ordinals(graph)
+    return {key: key[0] + (f"#{ordinals[key][1]}" if ordinals.get(key, (None, 0))[1] else "") for key in graph.nodes}

@@ -42,6 +42,7 @@ from keras import ops
 # Stateless-scope and mask helpers have no public spelling in Keras 3.
 from keras.src import backend as keras_backend
 
+from graphckpt import errors
 from graphckpt.graph import dependencies
 
 __all__ = ["Segment"]
@@ -227,7 +228,10 @@ class Segment(keras.layers.Layer):
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         if not isinstance(model, keras.Model):
-            raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
+            raise errors.NotAModelError(
+                f"`model` must be a keras.Model. Received: model={model!r}. "
+                "Tip: `graphckpt.checkpoint_model(model)` builds the segments of a model for you."
+            )
         self.model = model
         self.supports_masking = True
         self._convert_input_args = False

@@ -290,3 +290,39 @@ def test_model_holding_a_checkpointed_model_is_a_clear_error():
     assert ck.name in str(err)  # names the layer that holds the segments
     assert graphckpt.is_checkpointed(outer)
     _no_nested_segments(outer)
+
+
+# --------------------------------------------------------------- one hierarchy
+
+
+def _estimate(**kwargs):
+    return lambda: graphckpt.estimate(_chain(), **kwargs)
+
+
+def _cli(function, *args):
+    from graphckpt import cli
+
+    return lambda: getattr(cli, function)(*args)
+
+
+BAD_INPUTS = {
+    "estimate: plan not a Plan": (_estimate(plan="sqrt"), TypeError, "`plan` must be a graphckpt.Plan"),
+    "estimate: batch size 0": (_estimate(batch_size=0), ValueError, "`batch_size` must be a positive int"),
+    "estimate: batch size a float": (_estimate(batch_size=2.5), ValueError, "`batch_size` must be a positive int"),
+    "Segment of a non-model": (lambda: Segment("not a model"), TypeError, "`model` must be a keras.Model"),
+    "checkpoint_model of a non-model": (lambda: graphckpt.checkpoint_model(object()), TypeError, "keras.Model"),
+    "plan: segments 0": (lambda: graphckpt.plan(_chain(), segments=0), ValueError, "segments"),
+    "cli: --segments": (_cli("parse_segments", "many"), Exception, "--segments must be"),
+    "cli: --input-shape": (_cli("parse_input_shapes", ["8,x"]), Exception, "--input-shape takes"),
+    "cli: --input-shape names": (_cli("parse_input_shapes", ["a=8,1", "8,1"]), Exception, "name every input"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_every_bad_input_is_a_graphckpt_error(case):
+    # One `except graphckpt.GraphckptError` catches them all; each is still
+    # the builtin it was, so `except ValueError` / `except TypeError` works.
+    call, builtin, match = BAD_INPUTS[case]
+    with pytest.raises(graphckpt.GraphckptError, match=re.escape(match)) as info:
+        call()
+    assert isinstance(info.value, builtin)

@@ -22,9 +22,11 @@ from graphckpt.graph import build_graph
 from tests import models
 
 ROOT = Path(__file__).resolve().parents[1]
-# TensorFlow's C++ start-up log lines: written to stderr while TensorFlow is
-# imported (by `import graphckpt`), whatever TF_CPP_MIN_LOG_LEVEL says.
-TF_STARTUP = re.compile(r"^(I0000 |W0000 |WARNING: All log messages before absl|To enable the following instructions)")
+# TensorFlow's C++ log lines: written to stderr while TensorFlow is
+# imported, whatever TF_CPP_MIN_LOG_LEVEL says; the CLI filters them.
+TF_STARTUP = re.compile(r"^([IWEF][0-9]{4} |WARNING: All log messages before absl|To enable the following instructions)|cuInit")
+FRAMEWORKS = {"tensorflow", "keras", "jax", "torch"}
+PYTHON_ARGS = re.compile(r"\b(batch_size|input_shape|segments|budget)=|`(batch_size|input_shape|segments|budget)`")
 
 
 @keras.saving.register_keras_serializable(package="graphckpt_tests")
@@ -52,7 +54,10 @@ def files(tmp_path_factory):
         "checkpointed": d / "checkpointed.keras",
         "subclassed": d / "subclassed.keras",
         "text": d / "notes.keras",
+        "txt": d / "notes.txt",
         "zip": d / "other.keras",
+        "lm": d / "lm.keras",
+        "unregistered": d / "unregistered.keras",
         "dir": d,
     }
     multi_io = models.multi_io()
@@ -66,15 +71,43 @@ def files(tmp_path_factory):
     sub(keras.ops.ones((1, 3)))
     sub.save(paths["subclassed"])
     paths["text"].write_text("not a model")
+    paths["txt"].write_text("not a model either")
+    tokens = keras.Input((None,), dtype="int32", name="token_ids")
+    keras.Model(tokens, layers.Dense(4)(layers.Embedding(50, 8)(tokens)), name="lm").save(paths["lm"])
+    _save_with_an_unregistered_class(paths["unregistered"])
     with zipfile.ZipFile(paths["zip"], "w") as z:
         z.writestr("hello.txt", "a zip, but no model in it")
     return paths
 
 
-def _run(*argv, script=False):
-    """Starts the CLI in a fresh process: the console script or `-m`."""
+def _save_with_an_unregistered_class(path):
+    """A file whose custom layer class nobody has registered by load time:
+    the class is registered to save, then forgotten. Its long name makes
+    Keras's message longer than the CLI used to show whole."""
+
+    @keras.saving.register_keras_serializable(package="graphckpt_tests_gone")
+    class ALayerWhoseModuleTheCommandWasNotToldToImport(layers.Layer):
+        def call(self, x):
+            return x
+
+    x = keras.Input((3,))
+    keras.Model(x, layers.Dense(2)(ALayerWhoseModuleTheCommandWasNotToldToImport()(x))).save(path)
+    keras.saving.get_custom_objects().pop("graphckpt_tests_gone>ALayerWhoseModuleTheCommandWasNotToldToImport")
+
+
+def _env(log_level="3"):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    if log_level is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = log_level
+    return env
+
+
+def _run(*argv, script=False, log_level="3"):
+    """Starts the CLI in a fresh process: the console script or `-m`.
+    `log_level`: TF_CPP_MIN_LOG_LEVEL, None to leave it unset."""
     exe = [str(Path(sys.executable).parent / "graphckpt")] if script else [sys.executable, "-m", "graphckpt"]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
+    env = _env(log_level)
     return subprocess.Popen(exe + [str(a) for a in argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -90,6 +123,9 @@ def runs(files, tmp_path_factory):
         "measure": _run("measure", files["chain"], "--batch-size", 8, "--steps", 1, "--segments", 2, "--json", out / "m.json"),
         "demo": _run("demo", "--depth", 6, "--width", 16, "--batch-size", 8, "--steps", 1, script=True),
         "missing": _run("inspect", out / "missing.keras", script=True),
+        # TF_CPP_MIN_LOG_LEVEL unset, as in a user's shell.
+        "quiet": _run("inspect", files["chain"], "--format", "json", log_level=None),
+        "quiet error": _run("inspect", files["chain"], "--budget", "lots", log_level=None),
     }
     results = {}
 
@@ -156,6 +192,8 @@ def test_measure_subprocess(runs):
     (base,), (cand,) = data["baseline"], data["candidate"]
     assert base["ok"] and cand["ok"]
     assert (base["num_segments"], cand["num_segments"]) == (0, 2)
+    # The segments column counts as `inspect` does: "N segments, M recomputed".
+    assert re.search(r"^│ graphckpt .*│ +2, 2 recomputed │$", stdout, flags=re.M), stdout
     assert base["batch_size"] == cand["batch_size"] == 8
     assert data["peak_ratio"] == pytest.approx(cand["peak_bytes"] / base["peak_bytes"])
 
@@ -164,6 +202,21 @@ def test_demo_subprocess(runs):
     code, stdout, stderr = runs("demo")
     assert code == 0, stderr
     assert "dense_chain_6x16" in stdout
+    # One way to count segments: the plan's table, the rewrite's Segment
+    # layers and the measured model's all agree with the plan itself.
+    demo_plan = graphckpt.plan(cli.demo_model(6, 16), batch_size=8)
+    total = len(demo_plan.segments)
+    recomputed = sum(s.remat for s in demo_plan.segments)
+    assert 0 < recomputed < total  # the last segment runs inline
+    ck = graphckpt.checkpoint_model(cli.demo_model(6, 16), batch_size=8)
+    assert sum(isinstance(layer, graphckpt.Segment) for layer in ck.layers) == recomputed
+    phrase = f"{total} segments, {recomputed} recomputed"  # total > 1 here
+    assert f"7 layer calls in {phrase} (auto)" in stdout
+    layers_ = f"{recomputed} Segment layer" + ("s" if recomputed > 1 else "")
+    inline = f"{total - recomputed} run" + ("s" if total - recomputed == 1 else "")
+    assert f"with {layers_}, one per recomputed segment ({phrase}; {inline} inline)" in " ".join(stdout.split())
+    assert re.search(rf"^│ graphckpt .*│ +{total}, {recomputed} recomputed │$", stdout, flags=re.M), stdout
+    assert _error_lines(stderr) == []
     assert re.search(r"peak memory x[0-9.]+", stdout)
     rows = [line for line in stdout.splitlines() if re.match(r"^│ (baseline|graphckpt) ", line)]
     assert len(rows) == 2
@@ -178,6 +231,80 @@ def test_error_subprocess_one_line_no_traceback(runs):
     assert line.startswith("graphckpt: error: no such file:")
 
 
+def test_tensorflow_startup_lines_are_not_shown(runs):
+    # TensorFlow writes its C++ start-up lines (and, on a machine without a
+    # GPU, `E0000 ... failed call to cuInit`) while it is imported.
+    code, stdout, stderr = runs("quiet")
+    assert code == 0, stderr
+    json.loads(stdout)
+    assert stderr == ""
+    code, stdout, stderr = runs("quiet error")  # --budget is checked by graphckpt.budget: it imports Keras
+    assert code == 2 and stdout == ""
+    (line,) = stderr.splitlines()
+    assert line.startswith("graphckpt: error: Invalid `--budget`")
+
+
+def _imported_modules(argv):
+    """The exit status of `python -X importtime -m graphckpt *argv`, and the
+    top-level packages it imported."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "graphckpt", *argv], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    names = re.findall(r"^import time:\s+[0-9]+ \|\s+[0-9]+ \|\s*([\w.]+)$", proc.stderr, flags=re.M)
+    assert "graphckpt.cli" in names  # the output is what we think it is
+    return proc.returncode, {name.split(".")[0] for name in names}
+
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["--help"], 0),
+        (["--version"], 0),
+        (["inspect", "--help"], 0),
+        (["inspect", "model.keras", "--segments", "many"], 2),
+        (["inspect", "model.keras", "--input-shape", "8,x"], 2),
+        (["demo", "--depth", "0"], 2),
+        (["frobnicate"], 2),
+    ],
+    ids=["help", "version", "inspect help", "bad segments", "bad input shape", "bad depth", "unknown command"],
+)
+def test_help_version_and_argument_errors_import_no_framework(argv, code):
+    returncode, imported = _imported_modules(argv)
+    assert returncode == code
+    assert not imported & FRAMEWORKS, sorted(imported & FRAMEWORKS)
+
+
+def test_import_graphckpt_waits_for_keras_and_still_registers_its_classes(files):
+    # In a fresh process: `import graphckpt` imports no framework, and a
+    # checkpointed file still loads after it with no custom_objects.
+    script = (
+        "import sys, graphckpt\n"
+        "assert not {'tensorflow', 'keras', 'jax', 'torch'} & set(sys.modules), sorted(sys.modules)\n"
+        "import keras\n"
+        f"model = keras.saving.load_model({str(files['checkpointed'])!r})\n"
+        "assert isinstance(model, graphckpt.CheckpointedModel) and callable(graphckpt.plan) and callable(graphckpt.estimate)\n"
+        "print(sum(isinstance(l, graphckpt.Segment) for l in model.layers))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3"]
+
+
+def test_native_log_filter_drops_only_tensorflow_lines_below_the_level():
+    lines = [
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+        "I0000 00:00:1796318968.351520   22727 cudart_stub.cc:31] Could not find cuda drivers on your machine.\n",
+        "I0000 00:00:1796318968.448479   22727 cpu_feature_guard.cc:227] This TensorFlow binary is optimized.\n",
+        "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow.\n",
+        "UserWarning: something from Python\n",
+        "E0000 00:00:1796318981.840089   22727 cuda_platform.cc:52] failed call to cuInit: INTERNAL\n",
+        "F0000 00:00:1796318981.840089   22727 x.cc:1] fatal\n",
+    ]
+    assert cli.native_log_filter(lines, 3) == [lines[4], lines[6]]
+    assert cli.native_log_filter(lines, 2) == [lines[4], lines[5], lines[6]]
+    assert cli.native_log_filter(lines, 0) == lines  # TF_CPP_MIN_LOG_LEVEL=0: the user asked for them
+
+
 # ---------------------------------------------------------------- in process
 
 
@@ -190,7 +317,7 @@ def run_main(capsys, *argv):
 def test_inspect_table(capsys, files):
     code, out, err = run_main(capsys, "inspect", files["chain"], "--segments", 3, "--batch-size", 2)
     assert code == 0, err
-    assert "chain: 9 layer calls in 3 segments (fixed)" in out
+    assert "chain: 9 layer calls in 3 segments, 3 recomputed (fixed)" in out
     for header in ("seg", "first", "last", "calls", "boundary tensors", "kept bytes"):
         assert header in out
     assert "estimated peak training-step memory (for a batch of 2): baseline" in out
@@ -253,15 +380,20 @@ ERRORS = {
     "checkpointed model, measure": (1, ["measure", "{checkpointed}", "--batch-size", "2"], "already checkpointed"),
     "segments not a number": (2, ["inspect", "{chain}", "--segments", "many"], "--segments must be"),
     "segments zero": (2, ["inspect", "{chain}", "--segments", "0"], "--segments must be"),
-    "segments too many": (2, ["inspect", "{chain}", "--segments", "99"], "`segments` must be"),
-    "budget not a size": (2, ["inspect", "{chain}", "--budget", "lots"], "Invalid `budget`"),
-    "budget unit": (2, ["measure", "{chain}", "--batch-size", "2", "--budget", "3 parsecs"], "Invalid `budget`"),
+    "segments too many": (2, ["inspect", "{chain}", "--segments", "99"], "`--segments` must be"),
+    "budget not a size": (2, ["inspect", "{chain}", "--budget", "lots"], "Invalid `--budget`"),
+    "budget unit": (2, ["measure", "{chain}", "--batch-size", "2", "--budget", "3 parsecs"], "Invalid `--budget`"),
     "budget in bytes, no batch size": (2, ["inspect", "{chain}", "--budget", "2KiB"], "needs the batch size"),
     "budget too small": (2, ["inspect", "{chain}", "--budget", "10", "--batch-size", "4"], "No plan fits"),
     "segments and budget": (2, ["inspect", "{chain}", "--budget", "0.5", "--segments", "2"], "pass one"),
     "measure without batch size": (2, ["measure", "{chain}"], "--batch-size"),
     "unknown command": (2, ["frobnicate"], "invalid choice"),
     "bad format": (2, ["inspect", "{chain}", "--format", "svg"], "invalid choice"),
+    "not a model file": (1, ["inspect", "{txt}"], "Tip: pass a model saved with `model.save('model.keras')`"),
+    "unregistered class": (1, ["inspect", "{unregistered}"], "Tip: pass --import MODULE"),
+    "input shape rank": (2, ["inspect", "{lm}", "--input-shape", "8,512,1"], "Received: --input-shape 8,512,1."),
+    "input shape and batch size": (2, ["inspect", "{lm}", "--input-shape", "8,512", "--batch-size", "4"], "and --batch-size 4."),
+    "demo too shallow": (2, ["demo", "--depth", "1"], "checkpoints nothing"),
 }
 
 
@@ -275,6 +407,62 @@ def test_errors_are_one_line_without_traceback(capsys, files, case):
     assert "Traceback" not in err
     (line,) = err.strip().splitlines()
     assert line.startswith("graphckpt: error: ") and message in line
+    # In the command's own words: flags, not Python arguments.
+    assert not PYTHON_ARGS.search(line), line
+    # --import helps only with classes Keras could not find.
+    assert ("--import" in line) == (case == "unregistered class"), line
+
+
+def test_load_errors_are_whole_sentences(capsys, files):
+    code, _, err = run_main(capsys, "inspect", files["unregistered"])
+    assert code == 1
+    # Keras's whole message, which is longer than the 300 characters that
+    # used to be shown, then the tip.
+    assert "Could not locate class 'ALayerWhoseModuleTheCommandWasNotToldToImport'." in err
+    assert "so that the decorator is run before trying to load them. Tip: pass --import MODULE" in err
+    assert "..." not in err
+
+
+def test_gist_cuts_at_a_sentence_or_a_word():
+    long = "First sentence here. " + "Second sentence is rather long " * 10 + "and ends here."
+    assert cli._gist(ValueError(long), limit=60) == "First sentence here."
+    one = "word " * 50
+    gist = cli._gist(ValueError(one), limit=30)
+    assert gist.endswith("word ...") and len(gist) <= 34
+
+
+def test_warnings_name_flags(capsys, files):
+    code, _, err = run_main(capsys, "inspect", files["lm"], "--batch-size", 2)
+    assert code == 0
+    (line,) = err.strip().splitlines()
+    assert line.startswith("graphckpt: warning: ") and "unknown non-batch dimensions" in line
+    assert "--input-shape 8,512" in line and not PYTHON_ARGS.search(line), line
+    assert "fit flag" not in line  # the tip for Python callers
+
+
+def test_a_plan_that_raises_the_estimated_peak_is_a_warning(capsys, files):
+    # One segment, recomputed, over the whole model: its backward holds its
+    # input and the whole interior again, more than the model without a plan.
+    model = keras.saving.load_model(files["chain"])
+    one = graphckpt.plan(model, segments=1, batch_size=2)
+    assert one.estimated_peak_bytes > one.baseline_peak_bytes
+    code, out, err = run_main(capsys, "inspect", files["chain"], "--segments", 1, "--batch-size", 2)
+    assert code == 0
+    assert "9 layer calls in 1 segment, 1 recomputed (fixed)" in out  # not "1 segments"
+    (line,) = err.strip().splitlines()
+    assert line.startswith("graphckpt: warning: the plan for model 'chain' (1 segment, 1 recomputed) raises the estimated peak")
+    code, out, err = run_main(capsys, "inspect", files["chain"], "--segments", 3, "--batch-size", 2)
+    assert code == 0 and err == ""  # a plan that lowers it: no warning
+
+
+def test_segment_counts_agree_with_the_checkpointed_model(capsys, files):
+    model = keras.saving.load_model(files["chain"])
+    code, out, _ = run_main(capsys, "inspect", files["chain"], "--format", "json", "--batch-size", 2)
+    info = json.loads(out)
+    ck = graphckpt.checkpoint_model(model, batch_size=2)
+    assert info["num_segments"] == len(info["segments"]) == len(ck.plan.segments)
+    assert info["num_recomputed"] == sum(s["recomputed"] for s in info["segments"])
+    assert info["num_recomputed"] == sum(isinstance(layer, graphckpt.Segment) for layer in ck.layers)
 
 
 def test_help_and_version_return_zero(capsys):
@@ -302,3 +490,14 @@ def test_budget_arg(text, expected):
 def test_budget_arg_rejects(text):
     with pytest.raises(graphckpt.InvalidArgumentError, match="budget"):
         cli.budget_arg(text)
+
+
+def test_docs_describe_the_demo_model_they_run():
+    # README and docs/cli.md say how deep the demo's chain is: the model agrees.
+    model = cli.demo_model()
+    dense = [layer for layer in model.layers if isinstance(layer, layers.Dense) and layer.name != "head"]
+    readme = (ROOT / "README.md").read_text()
+    (depth,) = re.findall(r"make demo .*a built-in chain of ([0-9]+) Dense layers", readme)
+    assert int(depth) == len(dense) == cli.DEMO["depth"]
+    assert f"a chain of {len(dense)} Dense layers" in (ROOT / "docs" / "cli.md").read_text()
+    assert "64-layer model" not in readme

@@ -91,7 +91,7 @@ def check_model_spec(spec, data):
         compare_step(model, ck, x, graph=graph, unconnected="same")
 
 
-@settings(max_examples=25, derandomize=True, database=None, **_COMMON)
+@settings(max_examples=12, derandomize=True, database=None, **_COMMON)
 @given(spec=model_specs(), data=st.data())
 def test_checkpointed_model_is_the_same_function(spec, data):
     check_model_spec(spec, data)
