@@ -29,6 +29,8 @@ _LAZY = {
     "is_checkpointed": ("graphckpt.api", "is_checkpointed"),
     "estimate": ("graphckpt.estimate", "estimate"),
     "MemoryEstimate": ("graphckpt.estimate", "MemoryEstimate"),
+    "register_layer_rule": ("graphckpt.rules", "register_layer_rule"),
+    "LayerRule": ("graphckpt.rules", "LayerRule"),
     "policies": ("graphckpt.policies", None),
     "uncheckpoint": ("graphckpt.checkpointed", "uncheckpoint"),
     "install": ("graphckpt.fit", "install"),

@@ -401,7 +401,11 @@ def rule_of_layer(layer, ins, outs):
     """The registered rule's result for a layer, or None when no class in
     its MRO has a rule."""
     found = registered_rule(type(layer))
-    return None if found is None else found[0](layer, ins, outs)
+    if found is None:
+        return None
+    rule, expensive = found
+    result = rule(layer, ins, outs)
+    return dataclasses.replace(result, expensive=True) if expensive and not result.expensive else result
 
 
 # ------------------------------------------------------------ Keras ops

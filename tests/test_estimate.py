@@ -257,3 +257,71 @@ def test_a_subclass_of_multi_head_attention_gets_its_rule():
     model = keras.Model(x, Cached(num_heads=4, key_dim=8)(x, x))
     (call,) = [c for c in graphckpt.estimate(model, input_shape=(2, 64, 32)).calls if c.class_name == "Cached"]
     assert call.rule == "attention" and call.kept_bytes > 2 * 4 * 64 * 64 * 4  # heads x T x S scores
+
+
+class _DenseSubclass(layers.Dense):
+    pass
+
+
+class Dense(keras.layers.Layer):  # only the name of Keras's Dense
+    def call(self, x):
+        return keras.ops.sin(x) * 2.0
+
+
+def test_rules_are_found_through_the_class_not_its_name():
+    """A subclass of Dense is estimated as a Dense; a user class named
+    Dense that is not one gets the conservative guess."""
+    sub, _ = one_call(_DenseSubclass(16, activation="tanh"), (16,))
+    assert sub.rule == "matmul+tanh" and sub.expensive and is_expensive(_DenseSubclass(4))
+    impostor, _ = one_call(Dense(), (16,))
+    assert impostor.rule == "unknown" and not impostor.expensive and not is_expensive(Dense())
+
+
+def test_a_registered_rule_is_used_for_the_class_and_its_subclasses():
+    class Block(keras.layers.Layer):
+        def call(self, x):
+            return keras.ops.tanh(x) * 2.0
+
+    class SubBlock(Block):
+        pass
+
+    def block_rule(layer, inputs, outputs):
+        # Keeps its input and a buffer of three output sizes.
+        return graphckpt.LayerRule(saved_inputs=frozenset({0}), internal=3 * outputs[0].nbytes, name="block")
+
+    before, _ = one_call(Block(), (16,))
+    assert before.rule == "unknown"
+    graphckpt.register_layer_rule(Block, block_rule, expensive=True)
+    try:
+        for layer in (Block(), SubBlock()):
+            call, _ = one_call(layer, (16,), batch=2)
+            # Its buffer, and its output, which the last Dense keeps; its
+            # input is the first Dense's output, counted there.
+            assert call.rule == "block" and call.kept_bytes == (3 + 1) * 2 * 16 * F
+            assert call.expensive and is_expensive(layer)
+    finally:
+        from graphckpt import rules
+
+        del rules._REGISTRY[Block]
+
+
+def test_register_layer_rule_refuses_what_is_not_a_layer_class():
+    with pytest.raises(TypeError, match="subclass of keras.layers.Layer"):
+        graphckpt.register_layer_rule("Dense", lambda *a: None)
+    with pytest.raises(TypeError, match="must be a function"):
+        graphckpt.register_layer_rule(layers.Dense, 3)
+
+
+def test_a_subclass_rule_wins_over_its_base_class_rule():
+    def free(layer, inputs, outputs):
+        return graphckpt.LayerRule(name="mine")
+
+    graphckpt.register_layer_rule(_DenseSubclass, free)
+    try:
+        call, _ = one_call(_DenseSubclass(16), (16,))
+        plain, _ = one_call(layers.Dense(16), (16,))
+        assert call.rule == "mine" and plain.rule == "matmul"
+    finally:
+        from graphckpt import rules
+
+        del rules._REGISTRY[_DenseSubclass]

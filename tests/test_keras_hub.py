@@ -222,3 +222,29 @@ def test_a_backbone_used_as_a_layer_is_cut_inside_and_trains_exactly():
     assert {id(v) for v in ck.weights} == {id(v) for v in model.weights}
     compare_step(model, ck, _text())
     assert all(s.forward_calls >= 2 for s in segments)
+
+
+@pytest.mark.parametrize(
+    "build, block, attention_attr",
+    [(llama, "transformer_layer_0", "_self_attention_layer"), (gemma, "decoder_block_0", "attention")],
+    ids=["llama", "gemma"],
+)
+def test_grouped_query_attention_of_decoder_lms_is_estimated_as_attention(build, block, attention_attr):
+    """keras_hub's Llama and Gemma attention layers (raw einsums between
+    sublayers) get the attention rule: their decoder blocks keep at least
+    the score buffers, heads x T x T per example, which grow with T^2."""
+    from graphckpt import hub_rules, rules
+
+    backbone = build()
+    attention = getattr(backbone.get_layer(block), attention_attr)
+
+    def decoder_kept(seq):
+        est = graphckpt.estimate(backbone, input_shape={"token_ids": (1, seq), "padding_mask": (1, seq)})
+        (call,) = [c for c in est.calls if c.node[0].endswith(block)]
+        return call.kept_bytes
+
+    short, long = decoder_kept(64), decoder_kept(256)
+    assert rules.registered_rule(type(attention))[0] is hub_rules._grouped_attention
+    scores = attention.num_query_heads * 256 * 256 * 4
+    assert long >= rules.MHA_SCORE_BUFFERS * scores
+    assert long > 8 * short  # quadratic in T: 16x for the scores, 4x for the rest
