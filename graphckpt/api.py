@@ -8,7 +8,7 @@ import warnings
 
 import keras
 
-from graphckpt import errors
+from graphckpt import errors, keras_compat
 from graphckpt.graph import build_graph, functional_of
 from graphckpt.budget import check_batch_size, choose_plan
 from graphckpt.rewrite import rewrite
@@ -52,7 +52,7 @@ def _check_model(model):
                 "then call `checkpoint_model` again."
             )
         return
-    if not isinstance(model, keras.src.models.functional.Functional):
+    if not keras_compat.is_functional(model):
         raise errors.UnsupportedModelError(
             f"Model '{model.name}' of class {type(model).__name__} is a "
             "subclassed model: its graph lives in Python code graphckpt "

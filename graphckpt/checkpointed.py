@@ -26,7 +26,7 @@ import dataclasses
 import keras
 from keras import tree
 
-from graphckpt import errors, weights
+from graphckpt import errors, keras_compat, weights
 from graphckpt.graph import build_graph, call_ordinals, functional_of, tensor_key
 from graphckpt.plan import plan_from_boundaries
 
@@ -103,7 +103,7 @@ _CLONE_ATTR = "_graphckpt_clone"
 def _is_clone_model(operation_fn):
     """Whether Keras's `clone_model` is running a model's graph: its
     `operation_fn` returns a clone of each layer rather than calling it."""
-    from keras.src.models import cloning
+    cloning = keras_compat.clone_function()
 
     return (
         getattr(operation_fn, "__module__", None) == cloning.__name__
@@ -130,10 +130,10 @@ def _clone_source(model, inputs, operation_fn, call_fn):
         for key in seg.nodes:
             node = graph.nodes[key]["node"]
             layer = operation_fn(node.operation)
-            before = len(layer._inbound_nodes)
+            before = len(keras_compat.inbound_nodes(layer))
             args, kwargs = node.arguments.fill_in({id(t): values[tensor_key(t)] for t in node.input_tensors})
             outputs = layer(*args, **kwargs) if call_fn is None else call_fn(layer, *args, **kwargs)
-            calls = len(layer._inbound_nodes) - before
+            calls = len(keras_compat.inbound_nodes(layer)) - before
             if calls != 1:
                 raise _cannot_clone(model, f"`call_function` called layer '{layer.name}' {calls} times, not once")
             key_of[key] = (layer.name, before)
@@ -233,7 +233,7 @@ class CheckpointedModel(keras.Model):
         # policy, so set it as `Layer.__init__` does.)
         self._dtype_policy = source.dtype_policy
         if clone is not None:
-            self._nodes_by_depth = clone._nodes_by_depth  # the call order rewrite set
+            keras_compat.set_nodes_by_depth(self, keras_compat.nodes_by_depth(clone))  # the call order rewrite set
 
     @property
     def variables(self):

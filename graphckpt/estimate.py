@@ -37,7 +37,7 @@ import math
 
 import keras
 
-from graphckpt import errors
+from graphckpt import errors, keras_compat, rules
 from graphckpt.graph import TensorInfo, build_graph, functional_of
 from graphckpt.graph import _itemsize as _dtype_size
 from graphckpt.plan import (
@@ -48,7 +48,6 @@ from graphckpt.plan import (
     smallest_peak,
     topological_order,
 )
-from graphckpt import rules
 from graphckpt.shapes import propagate, sized_graph
 
 __all__ = [
@@ -228,7 +227,7 @@ def _composite_rule(layer, node, ins):
     record = []
     try:
         with _recording_sublayer_calls(record):
-            keras.src.backend.compute_output_spec(layer.call, *args, **kwargs)
+            keras_compat.compute_output_spec(layer.call, *args, **kwargs)
     except Exception:  # a layer that only runs on real data: keep the generic rule
         return None
     kept, internal, flops, expensive = {}, 0.0, 0.0, False

@@ -36,7 +36,7 @@ import weakref
 
 import keras
 
-from graphckpt import errors
+from graphckpt import errors, keras_compat
 
 __all__ = ["install", "uninstall", "is_installed"]
 
@@ -210,13 +210,13 @@ def _twin_for(model, planner_kwargs):
 
 
 def _compile_token(model):
-    config = getattr(model, "_compile_config", None)
+    config = keras_compat.compile_config(model)
     return None if config is None else weakref.ref(config)
 
 
 def _same_compile(twin, model):
     token = twin.compiled_with
-    return token is not None and token() is not None and token() is getattr(model, "_compile_config", None)
+    return token is not None and token() is not None and token() is keras_compat.compile_config(model)
 
 
 def _training_call(model, twin):
@@ -227,7 +227,7 @@ def _training_call(model, twin):
         if not training:
             return own_call(inputs, training=training, mask=mask, **kwargs)
         for seg in twin.segments:
-            seg._clear_losses()
+            keras_compat.clear_losses(seg)
         outputs = twin.model(inputs, training=training, mask=mask, **kwargs)
         # Segments are not the model's sublayers: move their losses. In a
         # stateless scope too (JAX's trainer): the scope holds them, but
@@ -236,7 +236,7 @@ def _training_call(model, twin):
         # `Functional.add_loss` is unimplemented; the base one records it.
         for seg in twin.segments:
             losses = seg._get_own_losses()
-            seg._clear_losses()
+            keras_compat.clear_losses(seg)
             if losses:
                 keras.layers.Layer.add_loss(model, losses)
         return outputs
@@ -249,7 +249,7 @@ def _check_own_call(model):
     graph, so a `call` of its own would be skipped: refuse it."""
     from graphckpt import api
 
-    functional = isinstance(model, (keras.src.models.functional.Functional, keras.Sequential))
+    functional = keras_compat.is_functional(model) or isinstance(model, keras.Sequential)
     overrides = api.overridden_methods(model, ("call",)) if functional else []
     if overrides:  # (a model that is not functional gets `checkpoint_model`'s error)
         raise errors.UnsupportedModelError(

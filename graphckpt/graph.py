@@ -44,6 +44,8 @@ import math
 
 import networkx as nx
 
+from graphckpt import keras_compat
+
 __all__ = [
     "TensorInfo",
     "build_graph",
@@ -74,7 +76,7 @@ class TensorInfo:
 
 def tensor_key(tensor):
     """The graph key of a KerasTensor: `(layer_name, node_index, index)`."""
-    op, node_index, tensor_index = tensor._keras_history
+    op, node_index, tensor_index = keras_compat.keras_history(tensor)
     return (op.name, node_index, tensor_index)
 
 
@@ -105,7 +107,7 @@ def functional_of(model):
     import keras
 
     if isinstance(model, keras.Sequential):
-        return model._functional
+        return keras_compat.sequential_functional(model)
     return model
 
 
@@ -133,14 +135,15 @@ def dependencies(model, outputs=None):
     wanted = fn.outputs if outputs is None else [fn.outputs[i] for i in outputs]
     needed = {id(t) for t in wanted}
     read = {}
-    for depth in sorted(fn._nodes_by_depth):  # from the outputs back
-        for node in fn._nodes_by_depth[depth]:
+    by_depth = keras_compat.nodes_by_depth(fn)
+    for depth in sorted(by_depth):  # from the outputs back
+        for node in by_depth[depth]:
             used = [i for i, t in enumerate(node.outputs) if id(t) in needed]
             if node.is_input or not used:
                 continue
             op, args = node.operation, node.input_tensors
             inner = functional_of(op) if isinstance(op, keras.Model) else None
-            if isinstance(inner, keras.src.models.functional.Functional) and len(args) == len(inner.inputs):
+            if keras_compat.is_functional(inner) and len(args) == len(inner.inputs):
                 inner_tensors, variables = dependencies(inner, used)
                 args = [a for a, x in zip(args, inner.inputs) if id(x) in inner_tensors]
             else:
@@ -198,7 +201,7 @@ def _flattenable(node, consumed):
     """
     import keras
     from keras import tree
-    from keras.src.models.functional import Functional
+    Functional = keras_compat.functional_class()
 
     op = node.operation
     if not isinstance(op, keras.Model):
@@ -237,7 +240,8 @@ def _is_keras_tensor(x):
 
 def _nodes_of(fn):
     """`fn`'s nodes in Keras's execution order (inputs first)."""
-    return [node for depth in sorted(fn._nodes_by_depth, reverse=True) for node in fn._nodes_by_depth[depth]]
+    by_depth = keras_compat.nodes_by_depth(fn)
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]]
 
 
 class _Builder:
@@ -285,7 +289,7 @@ class _Builder:
 
     def _add_node(self, node, prefix, in_keys, training, scope=None, kind="layer"):
         op = node.operation
-        key = (prefix + op.name, op._inbound_nodes.index(node))
+        key = (prefix + op.name, keras_compat.inbound_nodes(op).index(node))
         out_keys = [(key[0], key[1], i) for i in range(len(node.outputs))]
         self.graph.add_node(
             key,
@@ -370,7 +374,7 @@ def live_tensors(graph):
     feeds an input it ignores is not live.
     """
     import keras
-    from keras.src.models.functional import Functional
+    Functional = keras_compat.functional_class()
 
     needed = set(graph.graph["outputs"])
     for key in sorted(graph.nodes, key=lambda n: graph.nodes[n]["position"], reverse=True):

@@ -14,7 +14,7 @@ import re
 import keras
 from keras import tree
 
-from graphckpt import errors
+from graphckpt import errors, keras_compat
 from graphckpt.checkpointed import CheckpointedModel
 from graphckpt.graph import functional_of, live_tensors
 from graphckpt.segment import Segment
@@ -66,7 +66,7 @@ def _replay(graph, nodes, values, calls):
             outputs = tree.flatten(node.operation(*args, **kwargs))
         except Exception as e:
             raise _cannot_replay(node.operation, e) from e
-        calls.append(node.operation._inbound_nodes[-1])
+        calls.append(keras_compat.inbound_nodes(node.operation)[-1])
         values.update(zip(data["out_keys"], outputs))
 
 
@@ -95,14 +95,15 @@ def _run_in_call_order(fn, calls):
     that state in another order: other statistics, other masks.
     """
     rank = {id(node): i for i, node in enumerate(calls)}
-    nodes = [node for depth in sorted(fn._nodes_by_depth, reverse=True) for node in fn._nodes_by_depth[depth]]
+    by_depth = keras_compat.nodes_by_depth(fn)
+    nodes = [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]]
     for n in nodes:
         # A node Keras made itself while a layer ran inline (an Embedding's
         # mask op) runs right after the nodes it reads.
         if id(n) not in rank:
             rank[id(n)] = max((rank.get(id(p), -1) for p in n.parent_nodes), default=-1) + 0.5
     ordered = [n for n in nodes if n.is_input] + sorted((n for n in nodes if not n.is_input), key=lambda n: rank[id(n)])
-    fn._nodes_by_depth = {len(ordered) - 1 - i: [node] for i, node in enumerate(ordered)}
+    keras_compat.set_nodes_by_depth(fn, {len(ordered) - 1 - i: [node] for i, node in enumerate(ordered)})
     return fn
 
 
@@ -175,13 +176,12 @@ def _segment_name(seg, taken, source_names):
 
 def _nodes_lengths(graph):
     layers = {id(d["layer"]): d["layer"] for _, d in graph.nodes(data=True)}
-    return {i: (layer, len(layer._inbound_nodes), len(layer._outbound_nodes)) for i, layer in layers.items()}
+    return {i: (layer, *keras_compat.call_counts(layer)) for i, layer in layers.items()}
 
 
 def _restore_nodes(lengths):
     for layer, n_in, n_out in lengths.values():
-        del layer._inbound_nodes[n_in:]
-        del layer._outbound_nodes[n_out:]
+        keras_compat.truncate_calls(layer, n_in, n_out)
 
 
 def rewrite(model, graph, plan):
@@ -220,18 +220,18 @@ def rewrite(model, graph, plan):
             sub = _segment_model(graph, seg, name, policy)
             layer = Segment(sub, live_outputs=_live(seg, live), name=name, dtype=policy)
             outs = layer([values[k] for k in seg.inputs])
-            calls.append(layer._inbound_nodes[-1])
+            calls.append(keras_compat.inbound_nodes(layer)[-1])
             values.update(zip(seg.outputs, outs))
         outputs = []
         for key, original in zip(graph.graph["outputs"], fn.outputs):
             out = values[key]
             # An output made inline by the original's own output layer
             # already carries its name.
-            want = original._keras_history.operation.name
-            if out._keras_history.operation.name != want:
+            want = keras_compat.keras_history(original).operation.name
+            if keras_compat.keras_history(out).operation.name != want:
                 named = OutputName(name=_unique(want, taken), dtype=policy)
                 out = named(out)
-                calls.append(named._inbound_nodes[-1])
+                calls.append(keras_compat.inbound_nodes(named)[-1])
             outputs.append(out)
         outputs = tree.pack_sequence_as(fn._outputs_struct, outputs)
         checkpointed = CheckpointedModel(

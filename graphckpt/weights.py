@@ -34,11 +34,10 @@ import zipfile
 import keras
 import numpy as np
 
-# Keras has no public spelling of the saveable protocol and its walk.
-from keras.src.saving import saving_lib
-from keras.src.saving.keras_saveable import KerasSaveable
+from graphckpt import errors, keras_compat
 
-from graphckpt import errors
+# Keras has no public spelling of the saveable protocol and its walk.
+saving_lib, KerasSaveable, legacy_h5_format = keras_compat.saving_modules()
 
 __all__ = ["SourceLayout", "save_weights", "load_weights"]
 
@@ -164,7 +163,6 @@ def _archived_checkpointed_config(filepath):
 def _legacy_layer_names(filepath):
     """Names of the layers with weights in a legacy `.h5` file, in order."""
     import h5py
-    from keras.src.legacy.saving import legacy_h5_format
 
     with h5py.File(str(filepath), "r") as f:
         group = f["model_weights"] if "layer_names" not in f.attrs and "model_weights" in f else f

@@ -1,0 +1,135 @@
+"""Every use graphckpt makes of Keras's (and TensorFlow's) private API.
+
+Keras has no public API for walking or rewriting a functional graph, so
+graphckpt reads some internals; this module is the only place that does,
+each function saying what it reads and the public alternative where one
+exists. The tested versions are the range in pyproject.toml (`keras`), and
+`make test-keras-versions` runs the suite against the oldest and newest
+of it. Keras is imported lazily: `import graphckpt` stays cheap.
+"""
+
+
+def functional_class():
+    """`keras.src.models.functional.Functional`: the class of models built
+    as `keras.Model(inputs, outputs)`. Public alternative: none (a
+    functional model is a `keras.Model` whose class is this one)."""
+    from keras.src.models.functional import Functional
+
+    return Functional
+
+
+def is_functional(model):
+    return isinstance(model, functional_class())
+
+
+def sequential_functional(model):
+    """The Functional a built Sequential keeps its graph in
+    (`Sequential._functional`)."""
+    return model._functional
+
+
+def nodes_by_depth(fn):
+    """`Functional._nodes_by_depth`: depth -> nodes, depth 0 at the outputs."""
+    return fn._nodes_by_depth
+
+
+def set_nodes_by_depth(fn, nodes):
+    """Replaces a Functional's node order (graphckpt's rewrite fixes the
+    order in which a rewritten model runs its calls)."""
+    fn._nodes_by_depth = nodes
+
+
+def inbound_nodes(layer):
+    """The calls of a layer, in order (`Layer._inbound_nodes`); a call's
+    index in it is Keras's node index."""
+    return layer._inbound_nodes
+
+
+def call_counts(layer):
+    """(calls, consumers) recorded on a layer, for `truncate_calls`."""
+    return len(layer._inbound_nodes), len(layer._outbound_nodes)
+
+
+def truncate_calls(layer, n_in, n_out):
+    """Forgets the calls recorded on `layer` after `call_counts` gave
+    (n_in, n_out): symbolic calls made while building a rewrite must not
+    stay on the user's layers."""
+    del layer._inbound_nodes[n_in:]
+    del layer._outbound_nodes[n_out:]
+
+
+def keras_history(tensor):
+    """(operation, node index, tensor index) of a symbolic tensor
+    (`KerasTensor._keras_history`)."""
+    return tensor._keras_history
+
+
+def compute_output_spec(fn, *args, **kwargs):
+    """`keras.src.backend.compute_output_spec`: runs `fn` symbolically."""
+    from keras.src import backend
+
+    return backend.compute_output_spec(fn, *args, **kwargs)
+
+
+def compile_config(model):
+    """The config `compile` recorded (`Model._compile_config`), or None."""
+    return getattr(model, "_compile_config", None)
+
+
+def clear_losses(layer):
+    """`Layer._clear_losses()`: drops the losses a call added."""
+    layer._clear_losses()
+
+
+def clone_function():
+    """`keras.src.models.cloning.clone_model` with the private arguments
+    graphckpt needs. Public alternative: `keras.models.clone_model` (the
+    same function)."""
+    from keras.src.models import cloning
+
+    return cloning
+
+
+def global_attribute(name):
+    """A Keras global (`global_state`): "autocast_scope",
+    "global_seed_generator"."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute(name)
+
+
+def set_global_attribute(name, value):
+    from keras.src.backend.common import global_state
+
+    global_state.set_global_attribute(name, value)
+
+
+def backend_module():
+    """`keras.src.backend`: stateless scopes (`in_stateless_scope`,
+    `get_stateless_scope`) and masks (`get_keras_mask`, `set_keras_mask`).
+    Public alternatives: `keras.StatelessScope` to open a scope (not to
+    find the enclosing one); none for masks."""
+    from keras.src import backend
+
+    return backend
+
+
+def saving_modules():
+    """(`saving_lib`, `KerasSaveable`, `legacy_h5_format`): reading and
+    writing weights files exactly as Keras does."""
+    from keras.src.legacy.saving import legacy_h5_format
+    from keras.src.saving import saving_lib
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    return saving_lib, KerasSaveable, legacy_h5_format
+
+
+def tf_eager_internals():
+    """(`context`, `record`) from `tensorflow.python.eager`: whether a
+    gradient function runs eagerly, and `record.stop_recording()` to run a
+    forward pass unrecorded by every tape. Public alternatives:
+    `tf.executing_eagerly()`; `GradientTape.stop_recording()` covers one
+    tape only."""
+    from tensorflow.python.eager import context, record
+
+    return context, record
