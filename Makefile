@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q -e ".[test,bench]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $@
 
-.PHONY: install demo test test-slow bench
+.PHONY: install demo test test-slow test-keras-versions bench
 install: $(VENV)/.installed
 
 demo: install
@@ -38,6 +38,15 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
+
+# The oldest Keras of pyproject's range (the venv has the newest): the
+# backend-agnostic tests on TensorFlow with that Keras put first on the path
+# (keras-hub 0.32 itself needs a newer Keras: its tests run on the newest).
+KERAS_OLDEST ?= 3.15.0
+test-keras-versions: install
+	$(PY) -m pip install -q --no-deps --target .keras-$(KERAS_OLDEST) keras==$(KERAS_OLDEST)
+	PYTHONPATH=.keras-$(KERAS_OLDEST) $(PY) -m pytest -q -m "backends and not slow" --ignore tests/test_keras_hub.py
+	$(PY) -m pytest -q -m "backends and not slow"
 
 bench: install
 	$(PY) benchmarks/run_all.py
