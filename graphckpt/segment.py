@@ -97,8 +97,6 @@ def _remat(f):
     control dependency on the weight gradients keeps one recomputed interior
     alive at a time. Gradients are unchanged.
     """
-    if keras.backend.backend() == "jax":
-        return _jax_remat(f)
     if keras.backend.backend() != "tensorflow":
         return keras.remat(f)
     import tensorflow as tf
@@ -162,27 +160,88 @@ def _attach_logits(output, logits):
         pass
 
 
-def _jax_remat(f):
-    """`jax.checkpoint(f)`, which `keras.remat` is on JAX; on the CPU, with
-    `prevent_cse=False`.
+def _jax_remat(f, n_tied):
+    """`f` as a `jax.custom_vjp` whose backward pass recomputes it, from
+    arguments tied to the incoming cotangents.
 
-    `prevent_cse=True` wraps the recompute in optimization barriers, so XLA
-    compiles it apart from the forward pass, fused differently: the
-    recomputed values (a BatchNormalization input, say) can differ from the
-    forward pass's in the last bit, and the gradients with them (issue 13:
-    a Dropout + BatchNormalization chain drifted over epochs in `fit`,
-    though each step was off by about 1e-7 only, because training that
-    chain is chaotic: the plain model drifts as far from a 1e-7 relative
-    change of its weights). XLA's CPU pipeline removes the barriers later
-    anyway and merges most of the recompute back into the forward pass, so
-    on the CPU the barriers save no memory; without them XLA reuses the
-    forward pass's values, and gradients equal the original's bit for bit.
-    On GPUs and TPUs the barriers are what keeps the recompute in the
-    backward pass, so they stay there, with rounding-level differences.
+    The forward pass runs `f` and saves only its arguments (the segment's
+    inputs and the values its variables are read from). The backward pass
+    runs `jax.vjp(f, ...)` again on those arguments, the first `n_tied`
+    (the segment's inputs) passed through `_jax_tie`: values unchanged, but
+    computed from the cotangents, so XLA can neither merge the recompute
+    into the forward pass (CSE sees different operands) nor schedule it
+    there (its operands exist only once the gradient does). `jax.checkpoint`
+    has no such dependency: XLA's CPU pipeline drops its optimization
+    barriers (`cse_barrier_expander`) and merges the recompute back into
+    the forward pass, keeping every activation alive (issue 14).
+
+    Everything `f` differentiates must be an argument (`custom_vjp`
+    refuses closed-over values being differentiated): the trainable values
+    of the trainer's enclosing `StatelessScope` are. Integer arguments and
+    outputs get float0 cotangents, as `jax.vjp` gives them.
+
+    Args:
+        f: a function of arrays returning a tuple of arrays.
+        n_tied: how many leading arguments to tie (the segment's inputs;
+            not the weights, which `_jax_tie` would copy).
+
+    Returns:
+        A function with the signature and values of `f`.
     """
     import jax
 
-    return jax.checkpoint(f, prevent_cse=jax.default_backend() != "cpu")
+    @jax.custom_vjp
+    def remat(*args):
+        return f(*args)
+
+    def fwd(*args):
+        return f(*args), args
+
+    def bwd(args, cotangents):
+        tied = _jax_tie(args[:n_tied], cotangents) + list(args[n_tied:])
+        recomputed, vjp = jax.vjp(f, *tied)
+        # The gradients are tied to the recomputed outputs, so that these
+        # stay live as in the forward pass: with them dead, XLA fused the
+        # recompute differently from the forward pass, and gradients came
+        # out 1 ulp off (the issue-13 chain, tests/test_exact_fit.py).
+        return tuple(_jax_tie(vjp(cotangents), recomputed))
+
+    remat.defvjp(fwd, bwd)
+    return remat
+
+
+def _jax_tie(arrays, cotangents):
+    """`arrays`, with their values bit for bit, as results of the
+    cotangents.
+
+    Each array goes through `select(p, x, 0)`, where `p` is true whatever
+    the cotangents hold: `(u | 1) != 0`, `u` the bits of the first element
+    of every floating cotangent, OR'ed (every one, not only the first: a
+    cotangent of an output nothing reads is a zero constant, and a tie on
+    constants only would fold away). A select keeps every value as it is
+    (-0.0, NaN, inf, integers), where `x + 0` would turn -0.0 into +0.0;
+    and unlike a comparison of a value with itself (`p == p`), XLA's
+    simplifier does not fold it (the tests check the compiled step).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    bits = [
+        lax.bitcast_convert_type(jnp.reshape(c, (-1,))[0].astype("float32"), jnp.uint32)
+        for c in cotangents
+        if jnp.issubdtype(c.dtype, jnp.floating) and c.size
+    ]
+    if not bits:
+        return list(arrays)
+    u = bits[0]
+    for b in bits[1:]:
+        u = u | b
+    keep = (u | 1) != 0
+    return [
+        x if x.dtype == jax.dtypes.float0 else lax.select(jnp.broadcast_to(keep, x.shape), x, jnp.zeros_like(x))
+        for x in arrays
+    ]
 
 
 def _global_seed_state():
@@ -277,16 +336,23 @@ class Segment(keras.layers.Layer):
             # variables no output depends on are read as snapshots instead.
             with _no_autocast():
                 mapping += [(v, _snapshot(v)) for v in self._unread_trainable()]
-        float_idx = [i for i, x in enumerate(inputs) if _is_float(x)]
+        on_jax = keras.backend.backend() == "jax"
+        # On JAX every input is an argument, so that `_jax_remat` ties it to
+        # the cotangents (integer ones too: an Embedding's ids).
+        float_idx = [i for i, x in enumerate(inputs) if on_jax or _is_float(x)]
         layout = {}
 
-        def forward(*float_args):
+        def forward(*args):
             self.forward_calls += 1
             xs = list(inputs)
-            for i, x in zip(float_idx, float_args):
+            for i, x in zip(float_idx, args):
                 xs[i] = x
+            # On JAX the mapped values are arguments too (see `_jax_remat`).
+            values = args[len(float_idx) :] or [x for _, x in mapping]
             with _no_autocast():
-                scope = keras.StatelessScope(state_mapping=mapping, collect_losses=True)
+                scope = keras.StatelessScope(
+                    state_mapping=[(v, x) for (v, _), x in zip(mapping, values)], collect_losses=True
+                )
             with scope:
                 before = dict(scope.state_mapping)
                 outs = model(xs, training=True, mask=masks)
@@ -323,7 +389,12 @@ class Segment(keras.layers.Layer):
             logits = [out_logits[i] for i in found[5]]
             return tuple([outs[i] for i in found[4]] + logits + float_masks + new_state + losses)
 
-        results = list(_remat(forward)(*[inputs[i] for i in float_idx]))
+        args = [inputs[i] for i in float_idx]
+        if on_jax:
+            remat = _jax_remat(forward, len(args))
+            results = list(remat(*args, *[x for _, x in mapping]))
+        else:
+            results = list(_remat(forward)(*args))
         n_out, masked, updated, n_losses, out_order, with_logits = layout["found"]
         outs = [None] * n_out
         for i, x in zip(out_order, results[:n_out]):
