@@ -50,6 +50,9 @@ __all__ = [
     "InfeasibleBudgetError",
 ]
 
+# Names whose modules import no Keras.
+_KERAS_FREE = frozenset({"Plan"})
+
 _state = {"loading": False, "loaded": False}
 
 
@@ -74,11 +77,14 @@ def _load_api():
 
 def __getattr__(name):
     # Only called for names not bound yet. While loading, a submodule's
-    # `from graphckpt import policies` must fall through to importing it.
-    if name.startswith("__") or _state["loading"]:
+    # `from graphckpt import policies` must fall through to importing it,
+    # and so must `from graphckpt import <submodule>` for any other name.
+    if name not in _LAZY or _state["loading"]:
         raise AttributeError(f"module 'graphckpt' has no attribute {name!r}")
-    if name in _LAZY and _LAZY[name][1] is None:
-        return importlib.import_module(_LAZY[name][0])  # a Keras-free submodule stays cheap
+    if name in _LAZY and (_LAZY[name][1] is None or name in _KERAS_FREE):
+        # A Keras-free name stays cheap: the planner imports without a backend.
+        module = importlib.import_module(_LAZY[name][0])
+        return module if _LAZY[name][1] is None else getattr(module, _LAZY[name][1])
     _load_api()
     if name in globals():
         return globals()[name]

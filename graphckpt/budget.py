@@ -14,10 +14,10 @@ import re
 
 from graphckpt import errors, policies
 from graphckpt.estimate import node_costs, resolve_batch_size
+from graphckpt.planner.data import format_bytes
 from graphckpt.plan import (
     BudgetInfeasible,
-    baseline_peak,
-    estimated_peak,
+    MemoryModel,
     plan_for_budget,
     plan_from_boundaries,
     plan_segments,
@@ -46,15 +46,6 @@ _UNITS = {
     "tib": 2**40,
 }
 _BUDGET_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def format_bytes(n):
-    """`1536` -> `'1.5 KiB'`."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def _bad_budget(budget, why=""):
@@ -97,11 +88,11 @@ def parse_budget(budget):
     raise _bad_budget(budget)
 
 
-def _with_estimates(plan, graph, costs, batch_size, **extra):
+def _with_estimates(plan, memory, batch_size, **extra):
     return dataclasses.replace(
         plan,
-        estimated_peak_bytes=estimated_peak(graph, plan, costs),
-        baseline_peak_bytes=baseline_peak(graph, costs),
+        estimated_peak_bytes=memory.estimated_peak(plan),
+        baseline_peak_bytes=memory.baseline_peak(),
         batch_size=batch_size,
         **extra,
     )
@@ -171,24 +162,25 @@ def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=
     if not topological_order(graph):
         return _empty_plan(graph, segments, budget, policy_name)
     costs = node_costs(graph, batch_size)
+    memory = MemoryModel(graph, costs)  # O(n^2): built once, read by every step below
     if budget is None and policy is None:
         try:
-            the_plan = plan_segments(graph, segments=segments, costs=costs)
+            the_plan = plan_segments(graph, segments=segments, costs=costs, memory=memory)
         except ValueError as e:
             raise errors.InvalidArgumentError(
                 f"{e}. Accepted: 'auto' (the default: the number of segments with the least "
                 "estimated peak), 'sqrt', or an int from 1 to the number of layer calls."
             ) from None
-        return _with_estimates(the_plan, graph, costs, batch_size), None
+        return _with_estimates(the_plan, memory, batch_size), None
     keep = ()
     if policy_fn is not None:
         keep = tuple(n for n in topological_order(graph) if policy_fn(graph.nodes[n]["layer"]))
-    baseline = baseline_peak(graph, costs)
+    baseline = memory.baseline_peak()
     per = "" if batch_size is not None else " per example"
     if budget is None:
         # Policy alone: the smallest estimated peak that recomputes none of
         # the saved calls, with the least recompute among such plans.
-        target = smallest_peak(graph, costs, keep=keep)
+        target = smallest_peak(graph, costs, keep=keep, memory=memory)
         budget_bytes, strategy = None, "policy"
     else:
         kind, value = parse_budget(budget)
@@ -207,9 +199,9 @@ def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=
                 "checkpointing would only add recompute"
             )
             kept = _kept_plan(graph, strategy)
-            return _with_estimates(kept, graph, costs, batch_size, budget_bytes=budget_bytes, policy=policy_name), unchanged
+            return _with_estimates(kept, memory, batch_size, budget_bytes=budget_bytes, policy=policy_name), unchanged
     try:
-        the_plan = plan_for_budget(graph, costs, target, keep=keep, strategy=strategy)
+        the_plan = plan_for_budget(graph, costs, target, keep=keep, strategy=strategy, memory=memory)
     except BudgetInfeasible as e:
         what = " with policy " + repr(policy_name) if policy_name else ""
         raise errors.InfeasibleBudgetError(

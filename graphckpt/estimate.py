@@ -41,6 +41,7 @@ from graphckpt import errors, keras_compat, rules
 from graphckpt.graph import TensorInfo, build_graph, functional_of
 from graphckpt.graph import _itemsize as _dtype_size
 from graphckpt.plan import (
+    MemoryModel,
     NodeCosts,
     Plan,
     baseline_peak,
@@ -444,7 +445,8 @@ def estimate(model, plan=None, *, batch_size=None, graph=None, input_shape=None)
         graph, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=3)
     batch_size = resolve_batch_size(graph, batch_size)
     costs, calls = _costs(graph, batch_size)
-    baseline = baseline_peak(graph, costs)
+    memory = MemoryModel(graph, costs)  # one O(n^2) table for the three estimates below
+    baseline = baseline_peak(graph, costs, memory=memory)
     if plan is None:
         segments, peak, recompute = (), baseline, 0.0
     else:
@@ -453,7 +455,7 @@ def estimate(model, plan=None, *, batch_size=None, graph=None, input_shape=None)
                 f"`plan` must be a graphckpt.Plan or None. Received: plan={plan!r}. "
                 "Tip: pass what `graphckpt.plan(model)` returns, or None for the model without checkpointing."
             )
-        segments = segment_peaks(graph, plan, costs)
+        segments = segment_peaks(graph, plan, costs, memory=memory)
         peak = max(s.peak_bytes for s in segments)
         recompute = sum(s.recompute_cost for s in segments)
     by_node = {c.node: c for c in calls}
@@ -461,10 +463,10 @@ def estimate(model, plan=None, *, batch_size=None, graph=None, input_shape=None)
         batch_size=batch_size,
         baseline_peak_bytes=baseline,
         peak_bytes=peak,
-        smallest_peak_bytes=smallest_peak(graph, costs),
+        smallest_peak_bytes=smallest_peak(graph, costs, memory=memory),
         fixed_bytes=costs.fixed,
         segments=segments,
-        calls=tuple(by_node[n] for n in topological_order(graph)),
+        calls=tuple(by_node[n] for n in memory.order),
         forward_flops=sum(c.flops for c in calls),
         recompute_flops=recompute,
         unknown_layers=tuple(sorted({c.class_name for c in calls if c.rule == "unknown"})),

@@ -222,10 +222,11 @@ def test_short_segments_where_activations_are_big():
 def _least_peak_per_count(g, costs):
     """Brute force: for every segment count k, the least estimated peak of
     k segments, the last one run inline (the existing fixed-k search)."""
-    from graphckpt.plan import _least_peak_boundaries, _spans_for, estimated_peak
+    from graphckpt.plan import MemoryModel, estimated_peak
+    from graphckpt.planner.search import _least_peak_boundaries
 
     order = topological_order(g)
-    spans = _spans_for(g, order, costs)
+    spans = MemoryModel(g, costs, order)
     peaks = {}
     for k in range(1, len(order) + 1):
         starts = _least_peak_boundaries(spans, k, True)
@@ -299,20 +300,20 @@ def test_auto_searches_every_count_on_one_span_table():
     (building one is O(n^2)), not one per count."""
     import importlib
 
-    plan_module = importlib.import_module("graphckpt.plan")
+    plan_module = importlib.import_module("graphckpt.planner.memory")
     made = []
-    original = plan_module._Spans.__init__
+    original = plan_module.MemoryModel.__init__
 
     def counting(self, *args, **kwargs):
         made.append(1)
         original(self, *args, **kwargs)
 
     g = literal_graph(chain_edges(300))
-    plan_module._Spans.__init__ = counting
+    plan_module.MemoryModel.__init__ = counting
     try:
         auto = plan_segments(g)
     finally:
-        plan_module._Spans.__init__ = original
+        plan_module.MemoryModel.__init__ = original
     assert made == [1]
     validate_plan(g, auto)
     assert 9 <= len(auto.segments) <= 35  # about sqrt(300) = 17

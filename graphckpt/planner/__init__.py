@@ -1,0 +1,5 @@
+"""The pure planner: plan data, the memory model and the searches.
+
+Import flow inside: `data` -> `memory` -> `search` -> `budget_search`.
+Nothing here imports Keras; `graphckpt.plan` is the public face.
+"""

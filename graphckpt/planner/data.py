@@ -1,0 +1,278 @@
+"""Plan data: an immutable segmentation of a graph's layer calls.
+
+A `Plan` cuts one topological order of the layer calls (`topological_order`)
+into contiguous `PlannedSegment`s that cover every call exactly once; a
+segment's `inputs` are the tensors made before it and used inside it, its
+`outputs` the tensors made inside it and used after it (or returned by the
+model). `plan_from_boundaries` builds one from cut positions;
+`validate_plan` checks that contract. This module never imports Keras.
+"""
+
+import dataclasses
+
+import networkx as nx
+
+__all__ = ["PlannedSegment", "Plan", "topological_order", "plan_from_boundaries", "validate_plan", "format_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedSegment:
+    """One segment: its layer calls in order, and the tensors that cross it.
+
+    `remat` is true for a checkpointed segment (only its inputs are kept for
+    backward; its interior is recomputed). A segment with `remat=False` runs
+    its layer calls as they are, keeping what they keep: budget plans and
+    recompute policies use such segments for calls not worth recomputing.
+    """
+
+    index: int
+    nodes: tuple
+    inputs: tuple
+    outputs: tuple
+    remat: bool = True
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Plan:
+    """An immutable segmentation of a model's layer calls.
+
+    `repr(plan)` is one short line (segments, recomputed segments, layer
+    calls, estimated peaks); `plan.summary()` has one line per segment, and
+    `plan.segments` / `plan.to_dict()` every layer call and tensor.
+
+    Attributes:
+        segments: `PlannedSegment`s in execution order.
+        order: every layer call, in the topological order the segments cut.
+        strategy: how it was chosen: `"auto"`, `"sqrt"`, `"fixed"`,
+            `"budget"` or `"policy"`.
+        estimated_peak_bytes: the estimated peak training-step activation
+            memory of the checkpointed model (see `graphckpt.estimate`), or
+            None when not estimated.
+        baseline_peak_bytes: the same estimate for the original model.
+        batch_size: the batch size of both estimates. None means they are
+            per example: activation memory only, which scales linearly with
+            the batch (parameter-sized gradient buffers left out).
+        budget_bytes: the budget a `"budget"` plan was made for.
+        policy: the name of the recompute policy used, if any.
+    """
+
+    segments: tuple
+    order: tuple
+    strategy: str
+    estimated_peak_bytes: int | None = None
+    baseline_peak_bytes: int | None = None
+    batch_size: int | None = None
+    budget_bytes: int | None = None
+    policy: str | None = None
+
+    @property
+    def num_layer_calls(self):
+        return len(self.order)
+
+    @property
+    def boundaries(self):
+        """Start position of each segment in `order`, plus `len(order)`."""
+        starts, pos = [], 0
+        for seg in self.segments:
+            starts.append(pos)
+            pos += len(seg.nodes)
+        return tuple(starts) + (pos,)
+
+    @property
+    def num_recomputed(self):
+        """How many segments are recomputed (`remat=True`)."""
+        return sum(1 for s in self.segments if s.remat)
+
+    def __repr__(self):
+        parts = [
+            f"strategy={self.strategy!r}",
+            f"segments={len(self.segments)}",
+            f"recomputed={self.num_recomputed}",
+            f"layer_calls={self.num_layer_calls}",
+        ]
+        for name in ("estimated_peak_bytes", "baseline_peak_bytes", "budget_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                parts.append(f"{name[: -len('_bytes')]}={format_bytes(value)}{self._per}")
+        if self.policy is not None:
+            parts.append(f"policy={self.policy!r}")
+        return f"Plan({', '.join(parts)})"
+
+    @property
+    def _per(self):
+        return " per example" if self.batch_size is None else ""
+
+    def summary(self, nodes=False):
+        """A readable description: the plan's line, then one line per
+        segment (its calls, first and last, recomputed or run as it is, the
+        tensors crossing into and out of it).
+
+        Args:
+            nodes: also list every layer call of each segment.
+
+        Returns:
+            A multi-line string (plans are data; printing is the caller's).
+        """
+        batch = "per example" if self.batch_size is None else f"batch {self.batch_size}"
+        lines = [f"{self!r}", f"{len(self.segments)} segments over {self.num_layer_calls} layer calls ({batch}):"]
+        for seg in self.segments:
+            how = "recomputed" if seg.remat else "runs as it is"
+            span = f"{_name(seg.nodes[0])} .. {_name(seg.nodes[-1])}" if seg.nodes else "(empty)"
+            lines.append(
+                f"  {seg.index:3d}: {len(seg.nodes):4d} calls, {how:13s} {span}  "
+                f"({len(seg.inputs)} tensors in, {len(seg.outputs)} out)"
+            )
+            if nodes:
+                lines.extend(f"         {_name(n)}" for n in seg.nodes)
+        return "\n".join(lines)
+
+    def to_dict(self):
+        """Plain, JSON-friendly data: lists of keys per segment."""
+        return {
+            "strategy": self.strategy,
+            "estimated_peak_bytes": self.estimated_peak_bytes,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "batch_size": self.batch_size,
+            "budget_bytes": self.budget_bytes,
+            "policy": self.policy,
+            "segments": [
+                {
+                    "index": s.index,
+                    "remat": s.remat,
+                    "nodes": [list(n) for n in s.nodes],
+                    "inputs": [list(t) for t in s.inputs],
+                    "outputs": [list(t) for t in s.outputs],
+                }
+                for s in self.segments
+            ],
+        }
+
+
+def format_bytes(n):
+    """`1536` -> `'1.5 KiB'`."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _name(node):
+    """A layer call's key for people: `'dense_3'`, `'dense_3#1'` for a
+    second call of a shared layer."""
+    if isinstance(node, tuple) and len(node) == 2:
+        return str(node[0]) if node[1] == 0 else f"{node[0]}#{node[1]}"
+    return str(node)
+
+
+def _layer_nodes(graph):
+    return [n for n, d in graph.nodes(data=True) if d["kind"] != "input"]
+
+
+def topological_order(graph):
+    """Layer calls in ASAP order: by longest path from an input, then by
+    Keras's own execution position.
+
+    Scheduling each call as early as its inputs allow ends the life of side
+    branches (auxiliary heads, early outputs) soon after their input is made,
+    so fewer tensors cross later cuts.
+
+    Calls in one of `graph.graph["state_chains"]` keep their relative order:
+    each reads the state (BatchNormalization statistics, a seed generator)
+    the call before it updated, so reordering them changes the results.
+    """
+    constrained = nx.DiGraph(graph.edges)
+    constrained.add_nodes_from(graph)
+    for chain in graph.graph.get("state_chains", ()):
+        constrained.add_edges_from(zip(chain, chain[1:]))
+    order = []
+    for generation in nx.topological_generations(constrained):
+        generation = sorted(generation, key=lambda n: graph.nodes[n]["position"])
+        order.extend(n for n in generation if graph.nodes[n]["kind"] != "input")
+    return tuple(order)
+
+
+def _consumers(graph):
+    """tensor key -> list of consuming layer calls."""
+    consumers = {}
+    for u, v, data in graph.edges(data=True):
+        for t in data["tensors"]:
+            consumers.setdefault(t, []).append(v)
+    return consumers
+
+
+def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None):
+    """Builds the `Plan` that cuts `order` at `boundaries`.
+
+    Args:
+        graph: the layer-call graph.
+        order: a topological order of its layer calls.
+        boundaries: increasing start positions, beginning with 0; the last
+            segment runs to the end of `order`.
+        strategy: a label stored on the plan.
+        remat: optional sequence of bools, one per segment: False marks a
+            segment whose layer calls run as they are (default: all True).
+    """
+    order = tuple(order)
+    remat = [True] * len(boundaries) if remat is None else [bool(r) for r in remat]
+    if len(remat) != len(boundaries):
+        raise ValueError(f"`remat` needs one flag per segment ({len(boundaries)}). Received: {len(remat)} flags")
+    bounds = list(boundaries) + [len(order)]
+    consumers = _consumers(graph)
+    tensors = graph.graph["tensors"]
+    model_outputs = set(graph.graph["outputs"])
+    segment_of = {}
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for node in order[a:b]:
+            segment_of[node] = i
+    segments = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        nodes = order[a:b]
+        inputs = []
+        for node in nodes:
+            for pred in graph.predecessors(node):
+                for t in graph.edges[pred, node]["tensors"]:
+                    if segment_of.get(tensors[t].producer) != i and t not in inputs:
+                        inputs.append(t)
+        outputs = []
+        for node in nodes:
+            for t in sorted(k for k, info in tensors.items() if info.producer == node):
+                used_later = any(segment_of[c] != i for c in consumers.get(t, ()))
+                if used_later or t in model_outputs:
+                    outputs.append(t)
+        segments.append(PlannedSegment(i, nodes, tuple(inputs), tuple(outputs), remat[i]))
+    return Plan(segments=tuple(segments), order=order, strategy=strategy)
+
+
+def validate_plan(graph, plan):
+    """Raises `AssertionError` if `plan` breaks the module's contract."""
+    layer_nodes = set(_layer_nodes(graph))
+    covered = [n for s in plan.segments for n in s.nodes]
+    assert sorted(covered, key=str) == sorted(layer_nodes, key=str), "cover"
+    pos = {n: i for i, n in enumerate(covered)}
+    for u, v in graph.edges:
+        if u in pos:
+            assert pos[u] < pos[v], f"order: {u} after {v}"
+    for chain in graph.graph.get("state_chains", ()):
+        assert [pos[n] for n in chain] == sorted(pos[n] for n in chain), f"state order: {chain}"
+    tensors = graph.graph["tensors"]
+    consumers = _consumers(graph)
+    outputs = set(graph.graph["outputs"])
+    for seg in plan.segments:
+        inside = set(seg.nodes)
+        want_in = {
+            t
+            for node in seg.nodes
+            for p in graph.predecessors(node)
+            for t in graph.edges[p, node]["tensors"]
+            if tensors[t].producer not in inside
+        }
+        want_out = {
+            t
+            for t, info in tensors.items()
+            if info.producer in inside
+            and (t in outputs or any(c not in inside for c in consumers.get(t, ())))
+        }
+        assert set(seg.inputs) == want_in, f"inputs of segment {seg.index}"
+        assert set(seg.outputs) == want_out, f"outputs of segment {seg.index}"
+

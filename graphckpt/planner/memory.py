@@ -1,0 +1,311 @@
+"""The memory model: estimated peak bytes of any plan over one order.
+
+`NodeCosts` says what each layer call keeps, makes and costs;
+`MemoryModel` turns them into tables over every span `[a, b)` of one
+topological order (O(n^2) to build, once per planning call), from which
+the searches (`graphckpt.planner.search`, `graphckpt.planner.budget_search`)
+and `segment_peaks` / `estimated_peak` / `baseline_peak` read every
+segment's peak in O(1). This module never imports Keras; it uses numpy.
+"""
+
+import dataclasses
+import functools
+
+from graphckpt.planner.data import _consumers, _layer_nodes, topological_order
+
+__all__ = [
+    "NodeCosts",
+    "SegmentPeak",
+    "MemoryModel",
+    "memory_model_for",
+    "graph_costs",
+    "segment_peaks",
+    "estimated_peak",
+    "baseline_peak",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCosts:
+    """What the memory model needs about each layer call, for one batch.
+
+    `graphckpt.estimate.node_costs` makes one from a Keras model; tests make
+    them by hand. Bytes are absolute for the batch the costs were made for
+    (per example when `per_example` is true).
+
+    Attributes:
+        tensor_bytes: tensor key -> bytes of that tensor.
+        saved: tensor keys the original model keeps for backward (because
+            the producer or a consumer needs the value in its gradient).
+        internal: layer call -> bytes it keeps for backward besides graph
+            tensors: pre-activations, dropout masks, attention scores...
+        workspace: layer call -> transient bytes of its backward step
+            (input and parameter gradients, temporaries).
+        compute: layer call -> cost of running it forward once (FLOPs).
+        fixed: bytes every plan pays alike (the loss, the batch's gradients).
+        per_example: whether the bytes are per example.
+    """
+
+    tensor_bytes: dict
+    saved: frozenset
+    internal: dict
+    workspace: dict
+    compute: dict
+    fixed: int = 0
+    per_example: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentPeak:
+    """The memory model's view of one segment during the backward pass.
+
+    Attributes:
+        index: the segment's index in the plan.
+        remat: whether it is recomputed.
+        held_before_bytes: bytes held for the segments before it when its
+            backward runs (their boundary tensors, or everything a
+            non-recomputed segment keeps).
+        held_bytes: what this segment holds for the later segments'
+            backward: its output tensors (values or their gradients) when
+            recomputed; everything its calls keep when not.
+        recompute_peak_bytes: the segment's own peak during its backward:
+            what its calls keep (recomputed, when `remat`), plus the
+            gradients of its outputs and the largest backward workspace.
+        peak_bytes: `fixed + held_before + recompute_peak`.
+        recompute_cost: forward cost recomputed for it (0 when not `remat`).
+    """
+
+    index: int
+    remat: bool
+    held_before_bytes: int
+    held_bytes: int
+    recompute_peak_bytes: int
+    peak_bytes: int
+    recompute_cost: float
+
+
+
+def graph_costs(graph):
+    """`NodeCosts` from the graph alone: each tensor's bytes per example,
+    every tensor kept for backward, no other memory, unit compute per call.
+
+    What `plan_segments` plans with when no estimate of the layers is at
+    hand (`graphckpt.estimate.node_costs` knows more about each layer)."""
+    tensors = graph.graph["tensors"]
+    layer_nodes = _layer_nodes(graph)
+    return NodeCosts(
+        tensor_bytes={k: info.nbytes for k, info in tensors.items()},
+        saved=frozenset(tensors),
+        internal={},
+        workspace={},
+        compute={v: 1.0 for v in layer_nodes},
+        per_example=True,
+    )
+
+
+class MemoryModel:
+    """The memory model of one order of a graph's layer calls, for one set
+    of costs: the quantities of every span `[a, b)`, made once.
+
+    The model (all bytes for one batch), for segments run in reverse during
+    the backward pass, segment i spanning positions [a_i, b_i):
+        peak = fixed + max_i (sum_{j<i} held_j + inner_i)
+        held_j = out(a_j, b_j)                      recomputed segment
+               = kept(a_j, b_j) + unsaved_out(a_j, b_j)   otherwise
+        inner_i = max_{v in seg} (kept(a_i, v+1) + workspace(v))
+                  + out(a_i, b_i)  [+ in(a_i, b_i) when recomputed]
+    `out(a, b)`: tensors made in [a, b) and used at b or later (as values
+    for later consumers, or as gradients coming back from them);
+    `in(a, b)`: tensors made before a and used in [a, b), which the
+    recompute copies (TensorFlow's `recompute_grad` orders it after the
+    incoming gradient through a data dependency on every argument).
+
+    The searches read the five `(n + 1) x (n + 1)` tables `inner_kept`,
+    `inner_remat`, `held_kept`, `held_remat` and `cost_span`, indexed
+    `[a, b]`. Building them is O(n^2) time and memory: build one per
+    planning call and pass it on (the `memory=` argument of the searches).
+
+    Args:
+        graph: the layer-call graph.
+        costs: `NodeCosts` for it.
+        order: the order of its layer calls that plans cut (default:
+            `topological_order(graph)`).
+    """
+
+    def __init__(self, graph, costs, order=None):
+        self.graph = graph
+        self.costs = costs
+        self.order = topological_order(graph) if order is None else tuple(order)
+        self.n = len(self.order)
+        self.fixed = costs.fixed
+        self._build(graph, self.order, costs)
+
+    def _build(self, graph, order, costs):
+        import numpy as np
+
+        n = self.n
+        pos = {v: i for i, v in enumerate(order)}
+        consumers = _consumers(graph)
+        model_outputs = set(graph.graph["outputs"])
+        # produced[p][last_use] bytes; first_use/last_use of tensors made before
+        made = np.zeros((n + 1, n + 2))  # [producer position, last use]
+        unsaved = np.zeros((n + 1, n + 2))
+        in_diff = np.zeros((n + 2, n + 2))  # 2-D difference array of in(a, b)
+        produced = {}
+        for key, info in graph.graph["tensors"].items():
+            uses = sorted({pos[c] for c in consumers.get(key, ()) if c in pos})
+            nbytes = costs.tensor_bytes.get(key, 0)
+            p = pos.get(info.producer, -1)  # -1: a model input
+            if p >= 0:
+                produced.setdefault(info.producer, []).append(key)
+                last = n if key in model_outputs else (uses[-1] if uses else p)
+                if last > p:
+                    made[p, last] += nbytes
+                    if key not in costs.saved:
+                        unsaved[p, last] += nbytes
+            # A span [a, b) takes the tensor as an input when a > p and its
+            # first use at or after a comes before b: for a in
+            # (previous use, use], every b > use.
+            prev = p
+            for use in uses:
+                in_diff[prev + 1, use + 1] += nbytes
+                in_diff[use + 1, use + 1] -= nbytes
+                prev = use
+        kept = np.array([costs.internal.get(v, 0) for v in order], dtype=float)
+        for v in order:
+            kept[pos[v]] += sum(costs.tensor_bytes.get(t, 0) for t in produced.get(v, ()) if t in costs.saved)
+        work = np.array([costs.workspace.get(v, 0) for v in order], dtype=float)
+        comp = np.array([costs.compute.get(v, 0.0) for v in order], dtype=float)
+        kept_prefix = np.concatenate([[0.0], np.cumsum(kept)])
+        compute_prefix = np.concatenate([[0.0], np.cumsum(comp)])
+        # out(a, b) = sum_{a <= p < b, last >= b} made[p, last]
+        suffix = np.cumsum(made[:, ::-1], axis=1)[:, ::-1]  # suffix[p, b] = sum_{last >= b}
+        del made
+        cum = np.concatenate([np.zeros((1, n + 2)), np.cumsum(suffix, axis=0)])  # cum[x, b] = sum_{p < x}
+        del suffix
+        out = np.diagonal(cum[:, : n + 1])[None, :] - cum[: n + 1, : n + 1]  # [a, b]
+        del cum
+        usuffix = np.cumsum(unsaved[:, ::-1], axis=1)[:, ::-1]
+        del unsaved
+        ucum = np.concatenate([np.zeros((1, n + 2)), np.cumsum(usuffix, axis=0)])
+        del usuffix
+        unsaved_out = np.diagonal(ucum[:, : n + 1])[None, :] - ucum[: n + 1, : n + 1]
+        del ucum
+        in_ = np.cumsum(np.cumsum(in_diff, axis=0), axis=1)[: n + 1, : n + 1]
+        del in_diff
+        # max_{v in [a, b)} (kept_prefix[v+1] + work[v]) - kept_prefix[a]
+        z = kept_prefix[1:] + work
+        work_peak = np.zeros((n + 1, n + 1))
+        for a in range(n):
+            work_peak[a, a + 1 :] = np.maximum.accumulate(z[a:]) - kept_prefix[a]
+
+        # The five span tables the searches read, indexed [a, b].
+        kept_span = kept_prefix[None, :] - kept_prefix[:, None]
+        self.inner_kept = work_peak + out
+        del work_peak
+        self.inner_remat = self.inner_kept + in_
+        del in_
+        self.held_kept = kept_span + unsaved_out
+        self.held_remat = out
+        self.cost_span = compute_prefix[None, :] - compute_prefix[:, None]
+
+    # For the search over segment counts (`segments="auto"`), made when
+    # first read: columns as contiguous rows, and spans [a, b) with a >= b
+    # ruled out.
+    @functools.cached_property
+    def inner_remat_t(self):
+        import numpy as np
+
+        return np.ascontiguousarray(self.inner_remat.T)
+
+    @functools.cached_property
+    def held_remat_t(self):
+        import numpy as np
+
+        return np.ascontiguousarray(self.held_remat.T)
+
+    @functools.cached_property
+    def inner_remat_masked(self):
+        import numpy as np
+
+        return np.where(np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), 1), self.inner_remat, np.inf)
+
+    def inner(self, a, b, remat):
+        """A segment's own peak during its backward pass (`inner` above)."""
+        return float((self.inner_remat if remat else self.inner_kept)[a, b])
+
+    def held(self, a, b, remat):
+        """The bytes a segment holds for the later segments' backward."""
+        return float((self.held_remat if remat else self.held_kept)[a, b])
+
+    def cost(self, a, b):
+        """The forward cost of recomputing the calls of `[a, b)`."""
+        return float(self.cost_span[a, b])
+
+    def segment_peaks(self, plan):
+        """The model's per-segment view of `plan`, a plan over `self.order`
+        (see the module function `segment_peaks`)."""
+        if tuple(plan.order) != self.order:
+            raise ValueError("`plan` cuts another order of the layer calls than this memory model's")
+        held, out = 0.0, []
+        bounds = plan.boundaries
+        for seg, a, b in zip(plan.segments, bounds, bounds[1:]):
+            inner = self.inner(a, b, seg.remat)
+            h = self.held(a, b, seg.remat)
+            out.append(
+                SegmentPeak(
+                    index=seg.index,
+                    remat=seg.remat,
+                    held_before_bytes=int(round(held)),
+                    held_bytes=int(round(h)),
+                    recompute_peak_bytes=int(round(inner)),
+                    peak_bytes=int(round(self.fixed + held + inner)),
+                    recompute_cost=self.cost(a, b) if seg.remat else 0.0,
+                )
+            )
+            held += h
+        return tuple(out)
+
+    def estimated_peak(self, plan):
+        """The model's peak of `plan`, in bytes."""
+        return max(s.peak_bytes for s in self.segment_peaks(plan))
+
+    def baseline_peak(self):
+        """The model's peak without checkpointing: one segment, not recomputed."""
+        return int(round(self.fixed + self.inner(0, self.n, False)))
+
+
+def memory_model_for(graph, costs, order=None, memory=None):
+    """`memory` when it models `graph` and `costs` over `order` (default:
+    the topological order), else a new `MemoryModel`."""
+    if memory is not None and memory.graph is graph and memory.costs is costs:
+        if tuple(topological_order(graph) if order is None else order) == memory.order:
+            return memory
+    return MemoryModel(graph, costs, order)
+
+
+def segment_peaks(graph, plan, costs, *, memory=None):
+    """The memory model's per-segment view of `plan` (see `MemoryModel`).
+
+    Args:
+        graph: the layer-call graph.
+        plan: a `Plan` over it (any strategy; `remat` flags honoured).
+        costs: `NodeCosts` for the graph.
+        memory: a `MemoryModel` of `graph` and `costs` to reuse, if at hand.
+
+    Returns:
+        A tuple of `SegmentPeak`, one per segment; the plan's estimated
+        peak is the largest `peak_bytes`.
+    """
+    return memory_model_for(graph, costs, plan.order, memory).segment_peaks(plan)
+
+
+def estimated_peak(graph, plan, costs, *, memory=None):
+    """The memory model's peak of `plan`, in bytes (see `segment_peaks`)."""
+    return memory_model_for(graph, costs, plan.order, memory).estimated_peak(plan)
+
+
+def baseline_peak(graph, costs, *, memory=None):
+    """The memory model's peak of the model without checkpointing: one
+    segment that is not recomputed."""
+    return memory_model_for(graph, costs, None, memory).baseline_peak()
