@@ -16,8 +16,10 @@ BATCH = 256
 ACTIVATION = BATCH * CHAIN["width"] * 4  # one layer output, float32
 MIB = 1024 * 1024
 # RSS also counts what no tensor allocator sees: Python objects, thread
-# stacks, allocator slack (measured: within about 1 MiB on this chain).
-TOLERANCE = 1.5 * MIB
+# stacks, allocator slack (measured: within about 1 MiB on this chain). XLA's
+# `temp_size_in_bytes` leaves out the CPU runtime's own buffers: RSS reads
+# about 1.5-2 MiB more there (shared/FINDINGS.md: "RSS minus about 2 MiB").
+TOLERANCE = (2.5 if BACKEND == "jax" else 1.5) * MIB
 
 
 def _run(method, **kwargs):
