@@ -1,7 +1,9 @@
 """Runs the graphckpt benchmark suite and writes its results.
 
 Every figure is measured by `graphckpt.measure` in a fresh process: the peak
-training-step memory above the resident state (allocator statistics) and the
+training-step memory above the resident state (TensorFlow: BFC allocator
+statistics; JAX and PyTorch on the CPU: the process RSS high-water mark;
+any backend on a GPU: the device allocator) and the
 median step time after warm-up. For each model family, all methods are
 measured in ONE run, interleaved round by round (baseline, method 1, method
 2, ..., then again), so slow drift on a shared machine hits every method
@@ -13,6 +15,7 @@ Usage:
     python benchmarks/run_all.py --quick               # small sizes, 1 round (minutes)
     python benchmarks/run_all.py --families dense,unet --repeats 5
     python benchmarks/run_all.py --report-only         # re-render docs from results/
+    python benchmarks/run_all.py --backend torch --families dense   # results/torch/
 
 Writes `benchmarks/results/<family>.json` (raw measurements, machine,
 versions, date), then `docs/benchmarks.md` and `docs/img/*.png` (see
@@ -206,6 +209,7 @@ def run_rounds(name, fam, specs, args, batch, kwargs):
                 steps=args.steps,
                 warmup=args.warmup,
                 jit_compile=args.jit_compile,
+                backend=args.backend,
                 timeout=args.timeout,
                 check=False,
                 **spec,
@@ -238,6 +242,7 @@ def header(args, kind):
         "machine": machine_info(),
         "load_avg_start": _load_avg(),
         "settings": {
+            "backend": args.backend,
             "quick": args.quick,
             "repeats": args.repeats,
             "steps": args.steps,
@@ -329,8 +334,9 @@ def fit_exponent(xs, ys):
 
 def _versions_of(runs):
     for r in runs:
-        if r.get("info", {}).get("tensorflow"):
-            keys = ("python", "tensorflow", "keras", "numpy", "graphckpt", "platform")
+        backend = r.get("info", {}).get("backend", "tensorflow")
+        if r.get("info", {}).get(backend):
+            keys = ("python", "backend", backend, "keras", "numpy", "graphckpt", "platform")
             return {k: r["info"].get(k) for k in keys}
     return {}
 
@@ -352,6 +358,13 @@ def parse(argv):
         "smallest estimated peak), or fractions of the estimated baseline",
     )
     p.add_argument("--jit-compile", action="store_true", help="compile train steps with XLA")
+    p.add_argument(
+        "--backend",
+        choices=("tensorflow", "jax", "torch"),
+        default=os.environ.get("KERAS_BACKEND", "tensorflow"),
+        help="Keras backend of the measured processes (default: KERAS_BACKEND); JAX and PyTorch results "
+        "go to results/<backend>/, and the docs are rendered from TensorFlow's only",
+    )
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results; build/bench-quick with --quick)")
     p.add_argument("--report-only", action="store_true", help="only re-render docs from the results folder")
@@ -364,6 +377,8 @@ def parse(argv):
     if args.out is None:
         # Quick results go to build/ (git-ignored), never over the real ones.
         args.out = os.path.join(ROOT, "build", "bench-quick") if args.quick else RESULTS
+        if args.backend != "tensorflow":
+            args.out = os.path.join(args.out, args.backend)
     args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     return args
 
@@ -390,7 +405,7 @@ def main(argv=None):
         print(f"done in {time.time() - t0:.0f} s", flush=True)
     results = report.load(args.out)
     print(report.text_tables(results))
-    if not args.no_report and not args.quick:
+    if not args.no_report and not args.quick and args.backend == "tensorflow":
         for path in report.write_docs(results, ROOT):
             print(f"wrote {path}")
     return 0

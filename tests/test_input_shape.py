@@ -391,7 +391,7 @@ def test_cli_inspect_with_input_shape(capsys, tmp_path):
 def test_measure_builds_random_batches_of_the_input_shape():
     """What `graphckpt measure --input-shape` trains on: inputs of the given
     shape, targets of the shape the model outputs for them."""
-    from graphckpt.measure import _random_batch
+    from graphckpt.measure.child import _random_batch
 
     model = text_model()
     x, y = _random_batch(model, 4, 0, (4, 33))

@@ -136,3 +136,21 @@ def test_scaling_exponent_is_the_log_log_slope():
     depths = [16, 32, 64, 128, 256]
     assert fit(depths, [3 * d**0.5 for d in depths]) == pytest.approx(0.5)
     assert fit(depths, [7 * d for d in depths]) == pytest.approx(1.0)
+
+
+def test_cli_measures_a_sequential_model(tmp_path):
+    """A Sequential's own `input` exists only once it has been called; the
+    random batch is shaped from its inner functional model instead."""
+    import keras
+
+    from graphckpt import cli
+
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8, activation="tanh") for _ in range(6)])
+    path = tmp_path / "seq.keras"
+    model.save(path)
+    out = tmp_path / "m.json"
+    argv = ["measure", str(path), "--batch-size", "4", "--steps", "1", "--segments", "2", "--json", str(out)]
+    assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    (base,), (cand,) = data["baseline"], data["candidate"]
+    assert base["ok"] and cand["ok"] and base["peak_bytes"] > 0 and cand["num_segments"] == 2

@@ -1,27 +1,35 @@
-"""graphckpt.measure.measure_backend: JAX and PyTorch runs in a fresh
-process; memory figures only where a reliable counter exists (GPU)."""
+"""graphckpt.measure on JAX and PyTorch: runs in a fresh process, with
+memory read from the process RSS on the CPU and the allocator on a GPU."""
 
 import os
 
 import pytest
 
-from graphckpt.measure import measure_backend
+from graphckpt.measure import measure, measure_backend
 from tests import measure_builders as mb
 
-CHAIN = {"depth": 8, "width": 64}
+CHAIN = {"depth": 8, "width": 256}
 FAST = {"steps": 2, "warmup": 1, "timeout": 300}
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_cpu_run_reports_time_and_says_memory_is_not_measured(backend):
-    m = measure_backend(
-        mb.chain, backend=backend, batch_size=32, method="graphckpt", builder_kwargs=CHAIN, device="cpu", **FAST
-    )
-    assert m.ok, m.error
-    assert m.device == f"{backend}:CPU:0" and m.info["backend"] == backend and m.info[backend]
-    assert m.peak_bytes is None and m.step_peak_bytes == () and m.memory_method.startswith("none:")
-    assert m.num_segments >= 2 and m.step_time_s > 0 and len(m.step_times_s) == 2
-    assert m.info["pid"] != os.getpid()
+def test_cpu_run_reports_time_and_rss_memory(backend):
+    kwargs = dict(backend=backend, batch_size=256, builder_kwargs=CHAIN, device="cpu", **FAST)
+    base = measure(mb.chain, method="baseline", **kwargs)
+    ck = measure(mb.chain, method="graphckpt", **kwargs)
+    for m in (base, ck):
+        assert m.ok, m.error
+        assert m.device == f"{backend}:CPU:0" and m.info["backend"] == backend and m.info[backend]
+        assert m.memory_method.startswith("process RSS") and len(m.step_peak_bytes) == 2
+        assert m.step_time_s > 0 and len(m.step_times_s) == 2 and m.info["pid"] != os.getpid()
+    assert ck.num_segments >= 2 and base.num_segments == 0
+    # Backprop through the chain keeps its 8 layer outputs (256 x 64 floats each).
+    assert base.peak_bytes >= 0.9 * CHAIN["depth"] * 256 * CHAIN["width"] * 4
+
+
+def test_rss_on_a_gpu_is_refused():
+    with pytest.raises(ValueError, match="counter='rss' counts host memory"):
+        measure(mb.chain, backend="torch", batch_size=2, device="gpu", counter="rss")
 
 
 def test_tensorflow_and_bad_devices_are_refused():
