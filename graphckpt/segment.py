@@ -39,10 +39,7 @@ import contextlib
 import keras
 from keras import ops
 
-# Stateless-scope and mask helpers have no public spelling in Keras 3.
-from keras.src import backend as keras_backend
-
-from graphckpt import errors
+from graphckpt import errors, keras_compat
 from graphckpt.graph import dependencies
 
 __all__ = ["Segment"]
@@ -71,14 +68,12 @@ def _no_autocast():
     or a `StatelessScope` made there, would round float32 weights and state
     to float16 where the original model reads them in full (a float32
     layer in a `mixed_float16` model)."""
-    from keras.src.backend.common import global_state
-
-    saved = global_state.get_global_attribute("autocast_scope")
-    global_state.set_global_attribute("autocast_scope", None)
+    saved = keras_compat.global_attribute("autocast_scope")
+    keras_compat.set_global_attribute("autocast_scope", None)
     try:
         yield
     finally:
-        global_state.set_global_attribute("autocast_scope", saved)
+        keras_compat.set_global_attribute("autocast_scope", saved)
 
 
 def _is_float(x):
@@ -102,7 +97,7 @@ def _remat(f):
     if keras.backend.backend() != "tensorflow":
         return keras.remat(f)
     import tensorflow as tf
-    from tensorflow.python.eager import context, record
+    context, record = keras_compat.tf_eager_internals()
 
     @tf.custom_gradient
     def inner(*args):
@@ -277,15 +272,14 @@ def _jax_tie(arrays, cotangents):
 def _global_seed_state():
     """The state of Keras's global seed generator, if one exists: layers that
     call `keras.random.*` with `seed=None` draw from it."""
-    from keras.src.backend.common import global_state
-
-    generator = global_state.get_global_attribute("global_seed_generator")
+    generator = keras_compat.global_attribute("global_seed_generator")
     return [generator.state] if generator is not None else []
 
 
 def _outer_values(variables):
     """Values of `variables` in an enclosing StatelessScope (JAX's trainer
     runs whole steps in one), else None."""
+    keras_backend = keras_compat.backend_module()
     scope = keras_backend.get_stateless_scope() if keras_backend.in_stateless_scope() else None
     if scope is None:
         return None
@@ -387,7 +381,7 @@ class Segment(keras.layers.Layer):
                 before = dict(scope.state_mapping)
                 outs = model(xs, training=True, mask=masks)
                 outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-                out_masks = [keras_backend.get_keras_mask(o) for o in outs]
+                out_masks = [keras_compat.backend_module().get_keras_mask(o) for o in outs]
                 out_logits = [getattr(o, "_keras_logits", None) for o in outs]
                 updated = [
                     i
@@ -434,7 +428,7 @@ class Segment(keras.layers.Layer):
             _attach_logits(outs[i], x)
         rest = rest[len(with_logits) :]
         for i, m in zip(masked, rest[: len(masked)]):
-            keras_backend.set_keras_mask(outs[i], ops.cast(m, "bool"))
+            keras_compat.backend_module().set_keras_mask(outs[i], ops.cast(m, "bool"))
         rest = rest[len(masked) :]
         for i, value in zip(updated, rest[: len(updated)]):
             state[i].assign(value)
