@@ -217,10 +217,10 @@ def test_recompute_really_happens():
     """Each segment's forward runs again in the backward pass.
 
     TensorFlow and PyTorch (eager): the segment's Python function is called
-    once in the forward pass and once more during backward. JAX traces once,
-    so the proof is in the gradient's jaxpr: one differentiated `remat`
-    equation per segment, holding a recomputed forward (more matmuls than
-    the plain model's gradient)."""
+    once in the forward pass and once more during backward. JAX traces the
+    function once for the forward pass and once more for the `custom_vjp`
+    backward rule (`graphckpt.segment._jax_remat`), and the gradient's jaxpr
+    holds the recomputed forward: more matmuls than the plain model's."""
     model = models.chain(depth=12)
     ck = graphckpt.checkpoint_model(model, segments=3)
     segments = _segments(ck)
@@ -233,16 +233,12 @@ def test_recompute_really_happens():
             values = ([v.value for v in m.trainable_variables], [v.value for v in m.non_trainable_variables])
             return jax.make_jaxpr(jax.grad(loss))(*values, x).jaxpr
 
-        plain = list(_jax_primitives(grad_jaxpr(model)))
-        ours = list(_jax_primitives(grad_jaxpr(ck)))
-        remats = [e for e in ours if "remat" in e.primitive.name or "checkpoint" in e.primitive.name]
-        assert [e.params["differentiated"] for e in remats] == [True] * len(segments)
-        assert not any("remat" in e.primitive.name for e in plain)
         dots = lambda eqns: sum(e.primitive.name == "dot_general" for e in eqns)  # noqa: E731
-        inside = sum(dots(_jax_primitives(e.params["jaxpr"])) for e in remats)
-        assert dots(ours) > dots(plain)
-        assert inside > 0
-        assert [s.forward_calls for s in segments] == [1] * len(segments)  # traced once
+        plain = dots(_jax_primitives(grad_jaxpr(model)))
+        assert [s.forward_calls for s in segments] == [0, 0, 0]
+        ours = dots(_jax_primitives(grad_jaxpr(ck)))
+        assert [s.forward_calls for s in segments] == [2, 2, 2]  # forward, then the backward rule's recompute
+        assert ours > plain
         return
     if BACKEND == "tensorflow":
         import tensorflow as tf
