@@ -237,7 +237,7 @@ def _composite_rule(layer, node, ins):
         sub_ins = [_info(t) for t in sub_tensors]
         sub_outs = [_info(t) for t in _tensors(sub_outputs)]
         rule = _rule(sub, sub_ins, sub_outs, _CallArguments(sub_args, sub_kwargs, sub_tensors))
-        kept.update((sub_ins[i].key, sub_ins[i].nbytes) for i in rule.saved_inputs if _is_float(sub_ins[i]))
+        kept.update((sub_ins[i].key, sub_ins[i].nbytes) for i in rule.saved_inputs if rules.is_float(sub_ins[i]))
         kept.update((sub_outs[i].key, sub_outs[i].nbytes) for i in rule.saved_outputs)
         internal += rule.internal
         flops += rule.flops
@@ -310,27 +310,23 @@ def _var_itemsize(v):
     return max(int("".join(c for c in dtype if c.isdigit()) or 32) // 8, 1)
 
 
-def _is_float(info):
-    return "float" in info.dtype
-
-
 def _costs(graph, batch_size):
     """(`NodeCosts`, CallEstimates) for `graph`; per example when
     `batch_size` is None (parameter gradients left out then)."""
     tensors = graph.graph["tensors"]
     scale = batch_size or 1
     tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
-    saved, internal, workspace, compute, rules = set(), {}, {}, {}, {}
+    saved, internal, workspace, compute, by_call = set(), {}, {}, {}, {}
     for key in topological_order(graph):
         data = graph.nodes[key]
         ins = [tensors[k] for k in data["in_keys"]]
         outs = [tensors[k] for k in data["out_keys"]]
         rule = _rule(data["layer"], ins, outs, data.get("node"))
-        rules[key] = rule
-        saved.update(ins[i].key for i in rule.saved_inputs if i < len(ins) and _is_float(ins[i]))
+        by_call[key] = rule
+        saved.update(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
         saved.update(outs[i].key for i in rule.saved_outputs if i < len(outs))
         internal[key] = int(rule.internal * scale)
-        io = sum(i.nbytes for i in ins if _is_float(i)) + sum(o.nbytes for o in outs)
+        io = sum(i.nbytes for i in ins if rules.is_float(i)) + sum(o.nbytes for o in outs)
         work = _WORKSPACE_IO * io + _WORKSPACE_INTERNAL * rule.internal if rule.workspace is None else rule.workspace
         workspace[key] = int(work * scale)
         if batch_size is not None:
@@ -348,7 +344,7 @@ def _costs(graph, batch_size):
         per_example=batch_size is None,
     )
     calls = []
-    for key, rule in rules.items():
+    for key, rule in by_call.items():
         made = [t for t in graph.graph["tensors"].values() if t.producer == key]
         kept = internal[key] + sum(tensor_bytes[t.key] for t in made if t.key in costs.saved)
         calls.append(

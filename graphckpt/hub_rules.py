@@ -16,19 +16,6 @@ from graphckpt import rules
 _HUB_LAYERS = "keras_hub.src.layers.modeling."
 
 
-def _free(layer, ins, outs):
-    return rules.LayerRule(flops=sum(rules.elems(o) for o in outs), name="free")
-
-
-def _rms_norm(layer, ins, outs):
-    return rules.LayerRule(
-        frozenset(range(len(ins))),
-        internal=sum(o.nbytes for o in outs),
-        flops=6.0 * sum(rules.elems(o) for o in outs),
-        name="layer norm",
-    )
-
-
 def _grouped_attention(layer, ins, outs):
     """keras_hub's attention layers of decoder LMs (Llama, Gemma, Mistral,
     Qwen, ...): self-attention over the hidden states with
@@ -53,29 +40,28 @@ _SCANNED = set()
 
 
 def register(module_name):
-    """Registers keras_hub's rules once, and the attention layers of
-    `module_name` and of every keras_hub model module loaded since."""
+    """Registers keras_hub's layer rules on the first call, and the
+    attention layers of every keras_hub model module loaded and not yet
+    scanned (`module_name`, the module of the layer met, among them)."""
     if module_name in _SCANNED:
         return
     if not _SCANNED:
         _register_layers()
-        _SCANNED.add(_HUB_LAYERS)
-    _SCANNED.add(module_name)  # even if no model module: a layers module
     for name, module in list(sys.modules.items()):
-        if not name.startswith("keras_hub.src.models.") or (name in _SCANNED and name != module_name):
-            continue
-        _SCANNED.add(name)
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ == name and _takes_grouped_heads(cls):
-                rules.register_layer_rule(cls, _grouped_attention, expensive=True)
+        if name.startswith("keras_hub.src.models.") and name not in _SCANNED:
+            _SCANNED.add(name)
+            for _, cls in inspect.getmembers(module, inspect.isclass):
+                if cls.__module__ == name and _takes_grouped_heads(cls):
+                    rules.register_layer_rule(cls, _grouped_attention, expensive=True)
+    _SCANNED.add(module_name)  # a layers module too: scanned once
 
 
 def _register_layers():
     fixed = {
-        "rms_normalization.RMSNormalization": (_rms_norm, False),
-        "position_embedding.PositionEmbedding": (_free, False),
-        "rotary_embedding.RotaryEmbedding": (_free, False),
-        "token_and_position_embedding.TokenAndPositionEmbedding": (_free, False),
+        "rms_normalization.RMSNormalization": (rules.layer_norm_rule, False),
+        "position_embedding.PositionEmbedding": (rules.free_rule, False),
+        "rotary_embedding.RotaryEmbedding": (rules.free_rule, False),
+        "token_and_position_embedding.TokenAndPositionEmbedding": (rules.free_rule, False),
     }
     for path, (rule, expensive) in fixed.items():
         module, name = path.rsplit(".", 1)

@@ -115,13 +115,19 @@ def backend_module():
 
 
 def saving_modules():
-    """(`saving_lib`, `KerasSaveable`, `legacy_h5_format`): reading and
-    writing weights files exactly as Keras does."""
-    from keras.src.legacy.saving import legacy_h5_format
+    """(`saving_lib`, `KerasSaveable`): reading and writing weights files
+    exactly as Keras does."""
     from keras.src.saving import saving_lib
     from keras.src.saving.keras_saveable import KerasSaveable
 
-    return saving_lib, KerasSaveable, legacy_h5_format
+    return saving_lib, KerasSaveable
+
+
+def legacy_h5_format():
+    """Keras's reader of legacy `.h5` weights files (imported when one is read)."""
+    from keras.src.legacy.saving import legacy_h5_format as module
+
+    return module
 
 
 def tf_eager_internals():

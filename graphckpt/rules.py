@@ -317,7 +317,8 @@ def _batch_norm(layer, ins, outs):
     return LayerRule(_all(ins), frozenset(), 0.0, 5.0 * sum(elems(o) for o in outs), name="batch norm")
 
 
-def _layer_norm(layer, ins, outs):
+def layer_norm_rule(layer, ins, outs):
+    """Normalizations over features: the input and one output-sized buffer."""
     out_bytes = sum(o.nbytes for o in outs)
     return LayerRule(_all(ins), frozenset(), out_bytes, 6.0 * sum(elems(o) for o in outs), name="layer norm")
 
@@ -341,10 +342,11 @@ def _reversible_embedding(layer, ins, outs):
     if ins and is_float(ins[0]):
         dim = ins[0].shape[-1] or 1
         return LayerRule(frozenset({0}), flops=2.0 * sum(elems(o) for o in outs) * dim, expensive=True, name="matmul")
-    return _free(layer, ins, outs)
+    return free_rule(layer, ins, outs)
 
 
-def _free(layer, ins, outs):
+def free_rule(layer, ins, outs):
+    """Gradients that need only shapes: nothing kept."""
     return LayerRule(flops=sum(elems(o) for o in outs), name="free")
 
 
@@ -370,11 +372,10 @@ _KERAS_RULES = {
     _dropout: (("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "AlphaDropout"), False),
     _gaussian_dropout: (("GaussianDropout",), False),
     _batch_norm: (("BatchNormalization",), False),
-    _layer_norm: (("LayerNormalization", "GroupNormalization", "UnitNormalization", "RMSNormalization"), False),
+    layer_norm_rule: (("LayerNormalization", "GroupNormalization", "UnitNormalization", "RMSNormalization"), False),
     _saves_output: (("ReLU", "ELU", "Softmax"), False),
     _activation_layer: (("Activation",), False),
-    # Gradients that need only shapes: nothing kept.
-    _free: (
+    free_rule: (
         ("InputLayer", "Add", "Subtract", "Average", "Concatenate", "Reshape", "Flatten", "Permute")
         + ("RepeatVector", "Identity", "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D")
         + ("Cropping2D", "Cropping3D", "UpSampling1D", "UpSampling2D", "UpSampling3D", "AveragePooling1D")

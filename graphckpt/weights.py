@@ -37,7 +37,7 @@ import numpy as np
 from graphckpt import errors, keras_compat
 
 # Keras has no public spelling of the saveable protocol and its walk.
-saving_lib, KerasSaveable, legacy_h5_format = keras_compat.saving_modules()
+saving_lib, KerasSaveable = keras_compat.saving_modules()
 
 __all__ = ["SourceLayout", "save_weights", "load_weights"]
 
@@ -166,8 +166,9 @@ def _legacy_layer_names(filepath):
 
     with h5py.File(str(filepath), "r") as f:
         group = f["model_weights"] if "layer_names" not in f.attrs and "model_weights" in f else f
-        names = legacy_h5_format.load_attributes_from_hdf5_group(group, "layer_names")
-        return [n for n in names if legacy_h5_format.load_attributes_from_hdf5_group(group[n], "weight_names")]
+        legacy = keras_compat.legacy_h5_format()
+        names = legacy.load_attributes_from_hdf5_group(group, "layer_names")
+        return [n for n in names if legacy.load_attributes_from_hdf5_group(group[n], "weight_names")]
 
 
 def _keras_walk(model, filepath):
