@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 CHILD = r"""
-import sys
 import tensorflow as tf
 if {inter_op}:
     tf.config.threading.set_inter_op_parallelism_threads({inter_op})
@@ -32,14 +31,8 @@ class Record(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         losses.append(float(logs["loss"]))
 
-def fit_fn(x, y, **flag):
-    def fit(model, epochs):
-        keras.utils.set_random_seed(11)
-        return model.fit(x, y, batch_size=t.BATCH, epochs=epochs, shuffle=False, verbose=0,
-                         callbacks=[Record()], **flag).history
-    return fit
-
-t._fit_fn = fit_fn
+test_fit_fn = t._fit_fn  # the test's own fit, with a callback added
+t._fit_fn = lambda x, y, **flag: test_fit_fn(x, y, callbacks=[Record()], **flag)
 if {jit}:
     compile_ = keras.Model.compile
     keras.Model.compile = lambda self, *a, **k: compile_(self, *a, **{{**k, "jit_compile": True}})
