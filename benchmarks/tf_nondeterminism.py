@@ -4,9 +4,11 @@ plain `fit`'s trajectory, each run in a fresh process (issue 14).
 Trains `tests/test_exact_fit.py`'s freeze/unfreeze case (freeze four layers,
 train, unfreeze, recompile, train) `--runs` times per mode and prints, per
 mode, each distinct trajectory (per-batch losses, and the sum of every
-variable afterwards) with how many runs gave it. Plain `fit` gives one; the
-checkpointed model, on a loaded 2-core machine, gave a second one in about
-5% of runs (2026-12-03), which `--inter-op 1` or `--jit` are there to test.
+variable afterwards) with how many runs gave it. Plain `fit` gives one.
+Until its recompute used the forward pass's weight reads (2026-12-04), the
+checkpointed model gave a second one in about 5% of runs on a loaded 2-core
+machine: the executor now and then ran a weight update before a recompute
+read the weights. Each mode should now give one trajectory, the same.
 
     PYTHONPATH=. python benchmarks/tf_nondeterminism.py --runs 30 --load
 """

@@ -12,11 +12,15 @@ Recompute that differs from the forward pass gives wrong gradients, so:
   snapshot, so they draw the same random numbers. The state the forward pass
   wrote is returned from the rematerialized function and assigned once,
   outside it: moving statistics are updated exactly once per step.
-- **Trainable variables** are read normally, so the backend's remat finds
-  them and returns their gradients without copying them. Those no live
-  output depends on (behind an unused output of a nested model) are read as
-  snapshots: the remat would give them zero gradients where the original
-  gives None, which optimizers skip (no weight decay, no momentum step).
+- **Trainable variables** are read once, in the forward pass, and the
+  recompute uses those reads, as a plain backward pass does: on TensorFlow
+  they are arguments of the custom gradient, whose gradients reach the
+  variables through the reads; on JAX the trainer's stateless values are
+  arguments of the `custom_vjp`; on PyTorch, whose autograd runs in order,
+  the recompute reads the variables. Those no live output depends on
+  (behind an unused output of a nested model) are closed-over snapshots:
+  the remat would give them zero gradients where the original gives None,
+  which optimizers skip (no weight decay, no momentum step).
 - **Layer losses** (`add_loss`, activity regularizers) are collected by the
   scope and returned as outputs of the rematerialized function, then added
   to this layer, so their gradients flow. Weight regularizers are computed
@@ -80,17 +84,34 @@ def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
 
 
-def _remat(f):
-    """`keras.remat(f)`; on TensorFlow, a `tf.recompute_grad` whose input
-    gradients wait for its weight gradients.
+def _remat(f, n_inputs):
+    """`keras.remat(f)`; on TensorFlow, a custom gradient that recomputes `f`
+    from its arguments, the segment's inputs then the values its trainable
+    variables were read as in the forward pass.
 
-    `tf.recompute_grad` orders a segment's recompute after the gradient of
-    its output only. Nothing waits for the segment's weight gradients, so
+    The variables are read once, in the forward pass, and the recompute
+    uses those reads, as a plain graph's backward pass uses its forward
+    reads. Were the recompute to read the variables again, nothing would
+    order those reads before the optimizer's updates of the same step: under
+    load, TensorFlow's executor sometimes ran an update first, and the
+    recompute then differed from the forward pass (a wrong gradient in
+    about 1 run in 20 of `tests/test_exact_fit.py` on a loaded 2-core
+    machine; `benchmarks/tf_nondeterminism.py`).
+
+    `tf.recompute_grad` also orders a segment's recompute after the gradient
+    of its output only. Nothing waits for the segment's weight gradients, so
     the executor may run the input-gradient chain ahead and start earlier
     segments' recomputes while later interiors are still alive: the measured
     peak then depends on scheduling (see benchmarks/diagnose_order.py). A
     control dependency on the weight gradients keeps one recomputed interior
     alive at a time. Gradients are unchanged.
+
+    Args:
+        f: a function of tensors returning a tuple of tensors.
+        n_inputs: how many leading arguments are the segment's inputs (each
+            gets a gradient, zeros where none flows); the rest are variable
+            reads, whose gradient stays None where none flows, as the
+            original's does (optimizers skip None).
     """
     if keras.backend.backend() == "torch":
         return _torch_remat(f)
@@ -106,7 +127,7 @@ def _remat(f):
 
         def grad(*dresult, variables=None):
             with tf.GradientTape() as tape:
-                id_args = [tf.identity(x) for x in args]
+                inputs = [tf.identity(x) for x in args[:n_inputs]]
                 if not context.executing_eagerly():
                     # As tf.recompute_grad: recompute once dresult exists
                     # (a data dependency, which XLA respects). On every
@@ -121,7 +142,8 @@ def _remat(f):
                     elem = tf.reduce_max(tf.concat(firsts or [tf.zeros([1])], 0))
                     ok = tf.cast(elem, tf.bool)
                     dep = tf.where(ok == ok, 0.0, float("nan"))
-                    id_args = [x + tf.cast(dep, x.dtype) for x in id_args]
+                    inputs = [x + tf.cast(dep, x.dtype) for x in inputs]
+                id_args = inputs + list(args[n_inputs:])
                 tape.watch(id_args)
                 if variables:
                     tape.watch(variables)
@@ -135,13 +157,14 @@ def _remat(f):
                 output_gradients=dresult,
                 unconnected_gradients=tf.UnconnectedGradients.NONE,
             )
-            g_args = [tf.zeros_like(x) if g is None else g for x, g in zip(args, grads)]
-            g_vars = grads[len(id_args) :]
-            computed = [g for g in g_vars if g is not None]
+            g_inputs = [tf.zeros_like(x) if g is None else g for x, g in zip(args, grads[:n_inputs])]
+            g_weights = grads[n_inputs:]
+            computed = [g for g in g_weights if g is not None]
             if computed and not context.executing_eagerly():
                 with tf.control_dependencies(computed):
-                    g_args = [tf.identity(g) for g in g_args]
-            return g_args, g_vars
+                    g_inputs = [tf.identity(g) for g in g_inputs]
+            g_args = g_inputs + g_weights[: len(args) - n_inputs]
+            return g_args, g_weights[len(args) - n_inputs :]
 
         return result, grad
 
@@ -348,22 +371,35 @@ class Segment(keras.layers.Layer):
         trainable = [v for v in model.variables if v.trainable]
         with _no_autocast():
             snapshot = [_snapshot(v) for v in state]
+        backend = keras.backend.backend()
+        # `closed`: (variable, value) pairs the function closes over;
+        # `passed`: those whose values are its arguments, after the inputs.
+        closed = list(zip(state, snapshot))
+        passed = []
         # Under an enclosing StatelessScope, trainable values live there.
         outer = _outer_values(trainable)
-        mapping = list(zip(state, snapshot))
         if outer is not None:
-            mapping += [(v, x) for v, x in zip(trainable, outer) if x is not None]
+            passed = [(v, x) for v, x in zip(trainable, outer) if x is not None]
         else:
             # The backend's remat gives every variable the function reads a
             # gradient, zeros where none flows; the original gives None, and
             # optimizers skip None (no weight decay, no momentum step). So
             # variables no output depends on are read as snapshots instead.
+            unread = self._unread_trainable()
             with _no_autocast():
-                mapping += [(v, _snapshot(v)) for v in self._unread_trainable()]
-        on_jax = keras.backend.backend() == "jax"
-        # On JAX every input is an argument, so that `_jax_remat` ties it to
-        # the cotangents (integer ones too: an Embedding's ids).
-        float_idx = [i for i, x in enumerate(inputs) if on_jax or _is_float(x)]
+                closed += [(v, _snapshot(v)) for v in unread]
+                if backend == "tensorflow":
+                    # Read once, here; the recompute reuses the reads (see
+                    # `_remat`), and their gradients reach the variables.
+                    unread_ids = {id(v) for v in unread}
+                    passed = [(v, _snapshot(v)) for v in trainable if id(v) not in unread_ids]
+        if backend == "jax":
+            # Everything is an argument, so that `_jax_remat` ties the
+            # inputs to the cotangents (integer ones too: an Embedding's
+            # ids) and no differentiated value is closed over.
+            closed, passed = [], closed + passed
+        mapping = closed + passed
+        float_idx = [i for i, x in enumerate(inputs) if backend == "jax" or _is_float(x)]
         layout = {}
 
         def forward(*args):
@@ -371,8 +407,7 @@ class Segment(keras.layers.Layer):
             xs = list(inputs)
             for i, x in zip(float_idx, args):
                 xs[i] = x
-            # On JAX the mapped values are arguments too (see `_jax_remat`).
-            values = args[len(float_idx) :] or [x for _, x in mapping]
+            values = [x for _, x in closed] + list(args[len(float_idx) :])
             with _no_autocast():
                 scope = keras.StatelessScope(
                     state_mapping=[(v, x) for (v, _), x in zip(mapping, values)], collect_losses=True
@@ -414,11 +449,8 @@ class Segment(keras.layers.Layer):
             return tuple([outs[i] for i in found[4]] + logits + float_masks + new_state + losses)
 
         args = [inputs[i] for i in float_idx]
-        if on_jax:
-            remat = _jax_remat(forward, len(args))
-            results = list(remat(*args, *[x for _, x in mapping]))
-        else:
-            results = list(_remat(forward)(*args))
+        remat = _jax_remat if backend == "jax" else _remat
+        results = list(remat(forward, len(args))(*args, *[x for _, x in passed]))
         n_out, masked, updated, n_losses, out_order, with_logits = layout["found"]
         outs = [None] * n_out
         for i, x in zip(out_order, results[:n_out]):

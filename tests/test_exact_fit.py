@@ -22,7 +22,6 @@ failed before `graphckpt.segment._jax_remat` (see there).
 
 import contextlib
 import dataclasses
-import warnings
 
 import keras
 import numpy as np
@@ -293,18 +292,7 @@ def _params():
 @pytest.mark.parametrize("name,mode", list(_params()))
 def test_fit_equals_plain_fit(name, mode):
     start, want_histories, want_state = reference(name)
-    try:
-        _assert_trains_alike(run(CASES[name], mode, start=start), want_histories, want_state)
-    except AssertionError as first:
-        if BACKEND != "tensorflow":
-            raise
-        # Known and open (issue 14, docs/limitations.md): on TensorFlow
-        # without XLA, on a loaded machine, a checkpointed run leaves plain
-        # fit's trajectory now and then (about 5% of fresh processes in
-        # benchmarks/tf_nondeterminism.py; plain fit: never). A wrong
-        # gradient is wrong every time, so it fails the second run too.
-        _assert_trains_alike(run(CASES[name], mode, start=start), want_histories, want_state)
-        warnings.warn(f"{name}-{mode}: trained differently once, alike on a rerun (issue 14): {first}")
+    _assert_trains_alike(run(CASES[name], mode, start=start), want_histories, want_state)
 
 
 def _assert_trains_alike(result, want_histories, want_state):

@@ -146,6 +146,39 @@ def test_recompute_really_happens_eager():
     assert [s.forward_calls for s in segments] == [2, 2, 2]
 
 
+@MODES
+def test_recompute_uses_the_weights_the_forward_pass_read(graph):
+    """Weights written between the forward pass and the backward pass (an
+    optimizer update the executor runs early) do not reach the recompute:
+    it uses the forward pass's reads, as the plain model's backward pass
+    does. Reading the variables again in the backward pass let TensorFlow's
+    executor run a step's weight update before a recompute, now and then,
+    under load: a wrong gradient (issue 14)."""
+    model = models.chain(depth=6)
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 16)).astype("float32"))
+    variables = model.trainable_variables
+    start = [v.numpy() for v in variables]
+
+    def grads_after_a_write(m):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(m(x, training=True) ** 2)
+        for v in variables:
+            v.assign(v * 2.0)
+        return tape.gradient(loss, variables)
+
+    def run(m):
+        for v, value in zip(variables, start):
+            v.assign(value)
+        step = tf.function(grads_after_a_write) if graph else grads_after_a_write
+        return [g.numpy() for g in step(m)]
+
+    want, got = run(model), run(ck)
+    assert [s.forward_calls for s in ck.layers if isinstance(s, Segment)][0] == 2  # recomputed
+    for v, a, b in zip(variables, got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"gradient of {v.path}")
+
+
 def _count_ops(concrete, op_type):
     graphs = [concrete.graph] + [f.graph for f in concrete.graph._functions.values() if hasattr(f, "graph")]
     count = 0
