@@ -95,7 +95,7 @@ def _remat(f, n_inputs):
     order those reads before the optimizer's updates of the same step: under
     load, TensorFlow's executor sometimes ran an update first, and the
     recompute then differed from the forward pass (a wrong gradient in
-    about 1 run in 20 of `tests/test_exact_fit.py` on a loaded 2-core
+    1 run in 20 to 50 of `tests/test_exact_fit.py` on a loaded 2-core
     machine; `benchmarks/tf_nondeterminism.py`).
 
     `tf.recompute_grad` also orders a segment's recompute after the gradient
