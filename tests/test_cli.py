@@ -16,6 +16,8 @@ from keras import layers
 
 import graphckpt
 from graphckpt import cli
+from graphckpt.cli.loading import gist
+from graphckpt.cli.startup import native_log_filter
 from graphckpt.checkpointed import plan_to_config
 from graphckpt.estimate import estimate
 from graphckpt.graph import build_graph
@@ -300,9 +302,9 @@ def test_native_log_filter_drops_only_tensorflow_lines_below_the_level():
         "E0000 00:00:1796318981.840089   22727 cuda_platform.cc:52] failed call to cuInit: INTERNAL\n",
         "F0000 00:00:1796318981.840089   22727 x.cc:1] fatal\n",
     ]
-    assert cli.native_log_filter(lines, 3) == [lines[4], lines[6]]
-    assert cli.native_log_filter(lines, 2) == [lines[4], lines[5], lines[6]]
-    assert cli.native_log_filter(lines, 0) == lines  # TF_CPP_MIN_LOG_LEVEL=0: the user asked for them
+    assert native_log_filter(lines, 3) == [lines[4], lines[6]]
+    assert native_log_filter(lines, 2) == [lines[4], lines[5], lines[6]]
+    assert native_log_filter(lines, 0) == lines  # TF_CPP_MIN_LOG_LEVEL=0: the user asked for them
 
 
 # ---------------------------------------------------------------- in process
@@ -425,10 +427,10 @@ def test_load_errors_are_whole_sentences(capsys, files):
 
 def test_gist_cuts_at_a_sentence_or_a_word():
     long = "First sentence here. " + "Second sentence is rather long " * 10 + "and ends here."
-    assert cli._gist(ValueError(long), limit=60) == "First sentence here."
+    assert gist(ValueError(long), limit=60) == "First sentence here."
     one = "word " * 50
-    gist = cli._gist(ValueError(one), limit=30)
-    assert gist.endswith("word ...") and len(gist) <= 34
+    cut = gist(ValueError(one), limit=30)
+    assert cut.endswith("word ...") and len(cut) <= 34
 
 
 def test_warnings_name_flags(capsys, files):
