@@ -7,8 +7,8 @@ import os
 from graphckpt.cli.args import CliError, planner_kwargs
 from graphckpt.cli.loading import gist, load, planned
 from graphckpt.cli.report import (
-    make_console,
     describe,
+    make_console,
     plural,
     render_comparison,
     render_table,

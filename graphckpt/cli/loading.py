@@ -1,10 +1,10 @@
 """Loading a model file for the command line: one-line errors that say
 what to try."""
 
+import importlib
 import os
 import re
 import sys
-import importlib
 import traceback
 import zipfile
 

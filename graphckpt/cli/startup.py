@@ -8,7 +8,6 @@ import re
 import sys
 import tempfile
 
-
 # TensorFlow's C++ log lines (`I0000 00:00:1796318968.351520   22727
 # cudart_stub.cc:31] ...`), and the lines that go with them. Those written
 # while TensorFlow is imported come before absl's log set-up and ignore
