@@ -15,18 +15,18 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q -e ".[test,bench]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $@
 
-.PHONY: install demo test test-slow test-keras-versions bench
+.PHONY: install demo lint test test-slow test-keras-versions bench
 install: $(VENV)/.installed
 
 demo: install
 	$(VENV)/bin/graphckpt demo
 
-# The full suite runs on TensorFlow; the tests marked `backends` run again
+# The linter runs first (`make lint`). The full suite runs on TensorFlow; the tests marked `backends` run again
 # under JAX and PyTorch, each backend in its own pytest process (Keras fixes
 # the backend at import). Every backend runs even if an earlier one failed.
 OTHER_BACKENDS ?= jax torch
 
-test: install
+test: install lint
 	@status=0; \
 	echo "== KERAS_BACKEND=tensorflow: full suite =="; \
 	KERAS_BACKEND=tensorflow $(PY) -m pytest -q || status=1; \
@@ -35,6 +35,10 @@ test: install
 	  KERAS_BACKEND=$$b $(PY) -m pytest -q -m "backends and not slow" || status=1; \
 	done; \
 	exit $$status
+
+# ruff, configured in pyproject.toml (pinned in constraints-ci.txt).
+lint: install
+	$(VENV)/bin/ruff check graphckpt tests benchmarks
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

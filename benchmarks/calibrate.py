@@ -33,10 +33,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import families  # noqa: E402
-from run_all import FAMILIES  # noqa: E402
-
 import graphckpt  # noqa: E402
 from graphckpt.measure import measure  # noqa: E402
+from run_all import FAMILIES  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results", "calibration.json")
 FAMILIES_PY = os.path.join(HERE, "families.py")
@@ -296,8 +295,8 @@ def main(argv=None):
         data["rows"] += rows
         if name in COMPARE and not args.no_compare:
             data["compare"][name] = compare_budget_vs_sqrt(name, args, rows)
-        import tensorflow as tf
         import keras
+        import tensorflow as tf
 
         data["info"] = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),

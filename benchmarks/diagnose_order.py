@@ -41,9 +41,9 @@ def child(config):
     if config["inter_op"]:
         tf.config.threading.set_inter_op_parallelism_threads(config["inter_op"])
     sys.path.insert(0, HERE)
-    import families
     import numpy as np
 
+    import families
     import graphckpt
 
     if config["method"] == "graphckpt, plain remat":

@@ -142,7 +142,7 @@ def run_longest(args):
     for label in ("baseline", "graphckpt"):
         tried = {}
 
-        def fits(seq):
+        def fits(seq, label=label, tried=tried):
             spec = dict(method=f"{ME}:as_functional") if label == "baseline" else dict(
                 method=f"{ME}:fit_flag_twin", method_kwargs={"seq": seq}
             )

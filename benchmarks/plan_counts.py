@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.setrecursionlimit(10000)
 
-import graphckpt  # noqa: E402
 import families  # noqa: E402
+import graphckpt  # noqa: E402
 from graphckpt.measure import format_bytes  # noqa: E402
 from run_all import ACCEPTANCE, FAMILIES  # noqa: E402
 

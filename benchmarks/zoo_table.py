@@ -134,9 +134,9 @@ def main(argv=None):
             results = json.load(f)
     if not args.report_only:
         sys.path.insert(0, ROOT)
-        from tests import zoo
-
         import platform
+
+        from tests import zoo
 
         results.update(
             versions=_versions(),

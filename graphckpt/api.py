@@ -9,8 +9,8 @@ import warnings
 import keras
 
 from graphckpt import errors, keras_compat
-from graphckpt.graph import build_graph, functional_of
 from graphckpt.budget import check_batch_size, choose_plan
+from graphckpt.graph import build_graph, functional_of
 from graphckpt.rewrite import rewrite
 from graphckpt.segment import Segment
 from graphckpt.shapes import sized_graph

@@ -14,7 +14,6 @@ import re
 
 from graphckpt import errors, policies
 from graphckpt.estimate import node_costs, resolve_batch_size
-from graphckpt.planner.data import format_bytes
 from graphckpt.plan import (
     BudgetInfeasible,
     MemoryModel,
@@ -24,6 +23,7 @@ from graphckpt.plan import (
     smallest_peak,
     topological_order,
 )
+from graphckpt.planner.data import format_bytes
 
 __all__ = ["parse_budget", "choose_plan", "check_batch_size", "format_bytes", "BUDGET_FORMS"]
 

@@ -31,7 +31,13 @@ References:
 """
 
 from graphckpt.planner.budget_search import BudgetInfeasible, plan_for_budget, smallest_peak
-from graphckpt.planner.data import Plan, PlannedSegment, plan_from_boundaries, topological_order, validate_plan
+from graphckpt.planner.data import (
+    Plan,
+    PlannedSegment,
+    plan_from_boundaries,
+    topological_order,
+    validate_plan,
+)
 from graphckpt.planner.memory import (
     MemoryModel,
     NodeCosts,

@@ -85,7 +85,7 @@ def multi_io():
     shared = layers.Dense(8, activation="relu", name="shared")
     ha, hb = shared(a), shared(b)
     h = layers.Concatenate()([ha, hb])
-    for i in range(4):
+    for _ in range(4):
         h = layers.Dense(8, activation="tanh")(h)
     h = layers.Dropout(0.2)(h)
     side = layers.Dense(3, name="side")(ha)

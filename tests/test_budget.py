@@ -77,7 +77,7 @@ def reference_peak(g, order, segments, costs):
     pos = {v: i for i, v in enumerate(order)}
     tensors = g.graph["tensors"]
     consumers = {}
-    for u, v, d in g.edges(data=True):
+    for _, v, d in g.edges(data=True):
         for t in d["tensors"]:
             consumers.setdefault(t, set()).add(v)
     outputs = set(g.graph["outputs"])

@@ -16,9 +16,9 @@ from keras import layers
 
 import graphckpt
 from graphckpt import cli
+from graphckpt.checkpointed import plan_to_config
 from graphckpt.cli.loading import gist
 from graphckpt.cli.startup import native_log_filter
-from graphckpt.checkpointed import plan_to_config
 from graphckpt.estimate import estimate
 from graphckpt.graph import build_graph
 from tests import models

@@ -14,8 +14,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 WIDTH, BATCH, EPOCHS = 16, 16, 3
 
 

@@ -7,7 +7,13 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.estimate import call_estimates, estimate, is_expensive, node_costs, resolve_batch_size
+from graphckpt.estimate import (
+    call_estimates,
+    estimate,
+    is_expensive,
+    node_costs,
+    resolve_batch_size,
+)
 from graphckpt.graph import build_graph
 from graphckpt.plan import segment_peaks
 from tests import models

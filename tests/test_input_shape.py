@@ -19,7 +19,7 @@ from keras import layers
 import graphckpt
 from graphckpt import cli
 from graphckpt.graph import build_graph
-from graphckpt.shapes import UnknownDimensionWarning, parse_input_shape, propagate, sized_graph
+from graphckpt.shapes import UnknownDimensionWarning, parse_input_shape, sized_graph
 from tests.backend_helpers import compare_step, to_numpy
 from tests.untouched import Snapshot
 

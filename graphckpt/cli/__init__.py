@@ -22,7 +22,14 @@ import warnings
 
 # Only cheap imports here: `--help`, `--version` and argument errors must not
 # wait for TensorFlow. Keras comes in through `startup.import_keras`.
-from graphckpt.cli.args import CliError, budget_arg, in_flags, parse_input_shapes, parse_segments, positive_int
+from graphckpt.cli.args import (
+    CliError,
+    budget_arg,
+    in_flags,
+    parse_input_shapes,
+    parse_segments,
+    positive_int,
+)
 from graphckpt.cli.commands import DEMO, cmd_demo, cmd_inspect, cmd_measure, demo_model
 from graphckpt.cli.loading import load_model_file
 from graphckpt.cli.report import describe

@@ -29,7 +29,7 @@ cycles that keep tensors alive are what users pay for, so they must show.
 """
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["Counter", "COUNTERS", "counter_for", "child_environment"]
 

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import sys
 
+
 def recipe_of(obj, what):
     """A callable or recipe string -> a recipe string the child can load."""
     if isinstance(obj, (str, os.PathLike)):

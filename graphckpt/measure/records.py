@@ -6,6 +6,7 @@ import statistics
 
 from graphckpt.errors import GraphckptError
 
+
 class MeasurementError(GraphckptError, RuntimeError):
     """A measurement failed; `.measurement` holds the failed record."""
 

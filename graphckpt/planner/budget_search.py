@@ -50,7 +50,6 @@ def _suffix_peaks(spans, cap, forbidden, a_min):
     G = np.full((n + 1, 2), np.inf)
     G[n, :] = -np.inf
     for b in range(n - 1, -1, -1):
-        cs = np.arange(b + 1, n + 1)
         allowed = a_min[b + 1 :] <= b
         r_ok = allowed & (forbidden[b + 1 :] == forbidden[b])
         r = np.where(r_ok, np.maximum(spans.inner_remat[b, b + 1 :], spans.held_remat[b, b + 1 :] + G[b + 1 :, 0]), np.inf)
@@ -84,16 +83,17 @@ def _search(spans, cap, forbidden, prune=True):
     slack = cap + 1e-9 * abs(cap) + 1e-6
     # pool of front points: held, cost, position a, kept flag, back (pool index)
     cap_pool = 1024
-    P_held = np.empty(cap_pool); P_cost = np.empty(cap_pool)
-    P_a = np.empty(cap_pool, dtype=np.int64); P_pk = np.empty(cap_pool, dtype=bool); P_back = np.empty(cap_pool, dtype=np.int64)
-    P_held[0] = 0.0; P_cost[0] = 0.0; P_a[0] = 0; P_pk[0] = False; P_back[0] = -1
+    P_held, P_cost = np.empty(cap_pool), np.empty(cap_pool)
+    P_a, P_back = np.empty(cap_pool, dtype=np.int64), np.empty(cap_pool, dtype=np.int64)
+    P_pk = np.empty(cap_pool, dtype=bool)
+    P_held[0], P_cost[0], P_a[0], P_pk[0], P_back[0] = 0.0, 0.0, 0, False, -1
     size = 1
     start_at = np.zeros(n + 2, dtype=np.int64)  # first pool index of position a
     start_at[1] = 1
     final = {}
     for b in range(1, n + 1):
         lo = start_at[a_min[b]]
-        e_held = P_held[lo:size]; e_cost = P_cost[lo:size]; e_a = P_a[lo:size]; e_pk = P_pk[lo:size]
+        e_held, e_cost, e_a, e_pk = P_held[lo:size], P_cost[lo:size], P_a[lo:size], P_pk[lo:size]
         out = []
         # remat candidates -> state (b, False)
         col_ir = spans.inner_remat[:b, b]
@@ -130,10 +130,11 @@ def _search(spans, cap, forbidden, prune=True):
             m = keep.size
             while size + m > P_held.size:
                 grow = P_held.size * 2
-                P_held = np.resize(P_held, grow); P_cost = np.resize(P_cost, grow); P_a = np.resize(P_a, grow)
-                P_pk = np.resize(P_pk, grow); P_back = np.resize(P_back, grow)
-            P_held[size:size + m] = h[keep]; P_cost[size:size + m] = c[keep]
-            P_a[size:size + m] = b; P_pk[size:size + m] = kept; P_back[size:size + m] = src[keep]
+                P_held, P_cost, P_a, P_pk, P_back = (
+                    np.resize(arr, grow) for arr in (P_held, P_cost, P_a, P_pk, P_back)
+                )
+            new = slice(size, size + m)
+            P_held[new], P_cost[new], P_a[new], P_pk[new], P_back[new] = h[keep], c[keep], b, kept, src[keep]
             if b == n:
                 final[kept] = (size, m)
             size += m

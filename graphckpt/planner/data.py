@@ -195,7 +195,7 @@ def topological_order(graph):
 def _consumers(graph):
     """tensor key -> list of consuming layer calls."""
     consumers = {}
-    for u, v, data in graph.edges(data=True):
+    for _, v, data in graph.edges(data=True):
         for t in data["tensors"]:
             consumers.setdefault(t, []).append(v)
     return consumers
