@@ -4,16 +4,20 @@ Arguments are checked here, once, and every failure becomes one
 `GraphckptError` that names what was received and what to do.
 """
 
+from __future__ import annotations
+
 import warnings
+from collections.abc import Callable
 
 import keras
 
 from graphckpt import errors, keras_compat
 from graphckpt.budget import check_batch_size, choose_plan
 from graphckpt.graph import build_graph, functional_of
+from graphckpt.plan import Plan
 from graphckpt.rewrite import rewrite
 from graphckpt.segment import Segment
-from graphckpt.shapes import sized_graph
+from graphckpt.shapes import InputShape, sized_graph
 
 __all__ = ["checkpoint_model", "plan", "is_checkpointed"]
 
@@ -29,7 +33,7 @@ def _segment_holders(model):
     ]
 
 
-def is_checkpointed(model):
+def is_checkpointed(model: keras.Model) -> bool:
     """True if `model` already contains graphckpt segments, also inside a
     nested model (a checkpointed model used as a layer)."""
     return bool(_segment_holders(model))
@@ -135,7 +139,15 @@ def _planned(model, segments="auto", budget=None, batch_size=None, policy=None, 
     return graph, sized, the_plan, unchanged
 
 
-def plan(model, *, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None):
+def plan(
+    model: keras.Model,
+    *,
+    segments: int | str = "auto",
+    budget: float | int | str | None = None,
+    batch_size: int | None = None,
+    policy: str | Callable | None = None,
+    input_shape: InputShape | None = None,
+) -> Plan:
     """Plans the segments of `model` without rewriting it.
 
     Args:
@@ -196,7 +208,15 @@ def _warn_unchanged(model, unchanged, stacklevel=2):
         warnings.warn(f"The plan for model '{model.name}' checkpoints nothing: {unchanged}.", stacklevel=stacklevel)
 
 
-def checkpoint_model(model, *, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None):
+def checkpoint_model(
+    model: keras.Model,
+    *,
+    segments: int | str = "auto",
+    budget: float | int | str | None = None,
+    batch_size: int | None = None,
+    policy: str | Callable | None = None,
+    input_shape: InputShape | None = None,
+) -> keras.Model:
     """Returns a copy of `model`'s graph that trains with less memory.
 
     Gradient checkpointing trades compute for memory: the model's layer calls

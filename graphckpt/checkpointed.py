@@ -328,7 +328,7 @@ class CheckpointedModel(keras.Model):
         print_fn("\n".join(lines))
 
 
-def uncheckpoint(model):
+def uncheckpoint(model: keras.Model) -> keras.Model:
     """The plain model a checkpointed model was made from, for export or serving.
 
     It holds the very same layer objects and variables (so the same trained

@@ -30,12 +30,15 @@ Contract:
 All results are frozen dataclasses of plain values.
 """
 
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import inspect
 import math
 
 import keras
+import networkx as nx
 
 from graphckpt import errors, keras_compat, rules
 from graphckpt.graph import TensorInfo, build_graph, functional_of
@@ -49,7 +52,7 @@ from graphckpt.plan import (
     smallest_peak,
     topological_order,
 )
-from graphckpt.shapes import propagate, sized_graph
+from graphckpt.shapes import InputShape, propagate, sized_graph
 
 __all__ = [
     "CallEstimate",
@@ -401,7 +404,14 @@ def call_estimates(graph, batch_size=None):
     return _costs(graph, batch_size)[1]
 
 
-def estimate(model, plan=None, *, batch_size=None, graph=None, input_shape=None):
+def estimate(
+    model: keras.Model,
+    plan: Plan | None = None,
+    *,
+    batch_size: int | None = None,
+    graph: nx.DiGraph | None = None,
+    input_shape: InputShape | None = None,
+) -> MemoryEstimate:
     """Estimates peak training-step activation memory, with or without a plan.
 
     Args:

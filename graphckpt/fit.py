@@ -328,7 +328,7 @@ def is_installed():
     return _state["wrapper"] is not None and keras.Model.fit is _state["wrapper"]
 
 
-def install():
+def install() -> None:
     """Adds `gradient_checkpointing=` (and `budget=`) to `keras.Model.fit`.
 
     It sets one attribute, `keras.Model.fit`, to a wrapper; calling it again
@@ -350,7 +350,7 @@ def install():
     keras.Model.fit = _state["wrapper"]
 
 
-def uninstall():
+def uninstall() -> None:
     """Restores the exact `keras.Model.fit` that `install()` replaced.
 
     Does nothing if graphckpt is not installed. Twins already built for

@@ -15,8 +15,11 @@ Rules follow what TensorFlow's gradient functions read, and were checked
 with per-layer probes against measured peaks (see `docs/estimator.md`).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import math
+from collections.abc import Callable
 
 import keras
 
@@ -61,7 +64,12 @@ class _Entry:
 _REGISTRY = {}
 
 
-def register_layer_rule(layer_class, rule=None, *, expensive=False):
+def register_layer_rule(
+    layer_class: type[keras.layers.Layer],
+    rule: Callable[..., LayerRule] | None = None,
+    *,
+    expensive: bool = False,
+) -> Callable:
     """Registers how the estimator counts calls of `layer_class` and of its
     subclasses (unless one of them has a rule of its own).
 

@@ -32,6 +32,7 @@ Contract:
 import math
 import numbers
 import warnings
+from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
@@ -39,6 +40,11 @@ from graphckpt import errors
 from graphckpt.graph import TensorInfo, _itemsize
 
 __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propagate", "unknown_inputs"]
+
+# Keras's spelling of input shapes, as in `model.build`: one shape, a list,
+# or a dict keyed by input name; the batch dimension included.
+Shape = Sequence[int | None]
+InputShape = Shape | Sequence[Shape] | Mapping[str, Shape]
 
 _TIP = (
     "Tip: pass the shapes you train with, batch dimension included, as `input_shape=` "

@@ -43,3 +43,11 @@ def test_typed_package_and_license_ship():
     assert project["project"]["license"] == "Apache-2.0"
     for name in project["project"]["license-files"]:
         assert os.path.isfile(os.path.join(ROOT, name))
+
+
+def test_public_api_type_hints_resolve():
+    import typing
+
+    for name in ("checkpoint_model", "plan", "estimate", "is_checkpointed", "uncheckpoint", "register_layer_rule"):
+        hints = typing.get_type_hints(getattr(graphckpt, name))
+        assert "return" in hints, name
