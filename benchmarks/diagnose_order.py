@@ -11,7 +11,7 @@ segment k's recompute, then k-1's, ..., while the dW work, and with it every
 recomputed interior, is still pending. With one inter-op thread that is what
 happens, and the checkpointed model needs about as much as the baseline.
 
-The fix, now in `graphckpt.segment._remat`: return a segment's input
+The fix, now in `graphckpt.remat.tf_remat`: return a segment's input
 gradients only after its weight gradients exist (a control dependency on
 them; a data dependency would be needed under XLA). Then at most one
 recomputed interior is alive at a time. This script compares it with the
@@ -49,9 +49,9 @@ def child(config):
     if config["method"] == "graphckpt, plain remat":
         import keras
 
-        from graphckpt import segment
+        from graphckpt import remat
 
-        segment._remat = keras.remat  # read when the train step is traced
+        remat.tf_remat = lambda f, n_inputs: keras.remat(f)  # read when the train step is traced
     model = families.dense_chain(depth=config["depth"], width=1024, dropout_every=config["dropout_every"])
     if config["method"] != "baseline":
         model = graphckpt.checkpoint_model(model)

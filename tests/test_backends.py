@@ -219,7 +219,7 @@ def test_recompute_really_happens():
     TensorFlow and PyTorch (eager): the segment's Python function is called
     once in the forward pass and once more during backward. JAX traces the
     function once for the forward pass and once more for the `custom_vjp`
-    backward rule (`graphckpt.segment._jax_remat`), and the gradient's jaxpr
+    backward rule (`graphckpt.remat.jax_remat`), and the gradient's jaxpr
     holds the recomputed forward: more matmuls than the plain model's."""
     model = models.chain(depth=12)
     ck = graphckpt.checkpoint_model(model, segments=3)

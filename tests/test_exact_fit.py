@@ -17,7 +17,7 @@ The issue-13 chain (Dropout, GaussianNoise, BatchNormalization, L2) is
 chaotic to train: a relative change of 1e-7 to its initial weights moves
 the plain model's epoch-3 loss by several percent. So it catches a gradient
 that is off by a single rounding step, not just a wrong one; on JAX it
-failed before `graphckpt.segment._jax_remat` (see there).
+failed before `graphckpt.remat.jax_remat` (see there).
 """
 
 import contextlib

@@ -1,0 +1,230 @@
+"""Rematerialization of one function, per backend: the forward pass keeps
+only the function's arguments, and the backward pass recomputes it.
+
+`segment_remat` picks the backend's: on TensorFlow a custom gradient
+(`tf_remat`), on JAX a `custom_vjp` (`jax_remat`), on PyTorch a
+non-reentrant `torch.utils.checkpoint` (`torch_remat`). Each recomputes
+from the forward pass's own values (the segment's inputs and its variable
+reads), and each makes the recompute depend on the incoming gradient, so
+that no compiler moves it into the forward pass. `graphckpt.segment` says
+what goes in and comes out.
+"""
+
+import keras
+
+from graphckpt import keras_compat
+
+__all__ = ["segment_remat", "tf_remat", "jax_remat", "jax_tie", "torch_remat"]
+
+
+def segment_remat(f, n_inputs):
+    """`f`, rematerialized on the current backend.
+
+    Args:
+        f: a function of tensors returning a tuple of tensors.
+        n_inputs: how many leading arguments are the segment's inputs; the
+            rest are the values its trainable variables were read as.
+    """
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return tf_remat(f, n_inputs)
+    if backend == "jax":
+        return jax_remat(f, n_inputs)
+    if backend == "torch":
+        return torch_remat(f)
+    return keras.remat(f)
+
+
+def tf_remat(f, n_inputs):
+    """On TensorFlow: a custom gradient that recomputes `f`
+    from its arguments, the segment's inputs then the values its trainable
+    variables were read as in the forward pass.
+
+    The variables are read once, in the forward pass, and the recompute
+    uses those reads, as a plain graph's backward pass uses its forward
+    reads. Were the recompute to read the variables again, nothing would
+    order those reads before the optimizer's updates of the same step: under
+    load, TensorFlow's executor sometimes ran an update first, and the
+    recompute then differed from the forward pass (a wrong gradient in
+    1 run in 20 to 50 of `tests/test_exact_fit.py` on a loaded 2-core
+    machine; `benchmarks/tf_nondeterminism.py`).
+
+    `tf.recompute_grad` also orders a segment's recompute after the gradient
+    of its output only. Nothing waits for the segment's weight gradients, so
+    the executor may run the input-gradient chain ahead and start earlier
+    segments' recomputes while later interiors are still alive: the measured
+    peak then depends on scheduling (see benchmarks/diagnose_order.py). A
+    control dependency on the weight gradients keeps one recomputed interior
+    alive at a time. Gradients are unchanged.
+
+    Args:
+        f: a function of tensors returning a tuple of tensors.
+        n_inputs: how many leading arguments are the segment's inputs (each
+            gets a gradient, zeros where none flows); the rest are variable
+            reads, whose gradient stays None where none flows, as the
+            original's does (optimizers skip None).
+    """
+    import tensorflow as tf
+    context, record = keras_compat.tf_eager_internals()
+
+    @tf.custom_gradient
+    def inner(*args):
+        with record.stop_recording():
+            result = f(*args)
+
+        def grad(*dresult, variables=None):
+            with tf.GradientTape() as tape:
+                inputs = [tf.identity(x) for x in args[:n_inputs]]
+                if not context.executing_eagerly():
+                    # As tf.recompute_grad: recompute once dresult exists
+                    # (a data dependency, which XLA respects). On every
+                    # result's gradient, not only the first: TensorFlow
+                    # fills an unused result's with zeros made in the
+                    # forward pass (probabilities whose loss reads logits).
+                    firsts = [
+                        tf.cast(tf.reshape(d, [-1])[:1], tf.float32)
+                        for d in dresult
+                        if d is not None and d.dtype.is_floating
+                    ]
+                    elem = tf.reduce_max(tf.concat(firsts or [tf.zeros([1])], 0))
+                    ok = tf.cast(elem, tf.bool)
+                    dep = tf.where(ok == ok, 0.0, float("nan"))
+                    inputs = [x + tf.cast(dep, x.dtype) for x in inputs]
+                id_args = inputs + list(args[n_inputs:])
+                tape.watch(id_args)
+                if variables:
+                    tape.watch(variables)
+                recomputed = f(*id_args)
+            # NONE, not tf.recompute_grad's ZERO: a variable that reaches no
+            # output (say, only through stop_gradient) gets None, as in the
+            # original, which optimizers skip; a zero would be applied.
+            grads = tape.gradient(
+                recomputed,
+                id_args + list(variables or []),
+                output_gradients=dresult,
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
+            )
+            g_inputs = [tf.zeros_like(x) if g is None else g for x, g in zip(args, grads[:n_inputs])]
+            g_weights = grads[n_inputs:]
+            computed = [g for g in g_weights if g is not None]
+            if computed and not context.executing_eagerly():
+                with tf.control_dependencies(computed):
+                    g_inputs = [tf.identity(g) for g in g_inputs]
+            g_args = g_inputs + g_weights[: len(args) - n_inputs]
+            return g_args, g_weights[len(args) - n_inputs :]
+
+        return result, grad
+
+    return inner
+
+
+def torch_remat(f):
+    """`keras.remat(f)` on PyTorch (a non-reentrant
+    `torch.utils.checkpoint.checkpoint`), with `early_stop=False`.
+
+    With early stop, torch ends each recompute as soon as it has the last
+    tensor the backward needs, by raising `_StopRecomputationError` from a
+    saved-tensor hook deep inside the recompute. Keras's traceback filtering
+    (its layers' `__call__` wrappers) keeps that exception's frames in a
+    reference cycle, and the frames hold the recomputed activations: they
+    stay alive after the step until Python's cyclic garbage collector runs
+    (10-35 MiB per step on a 32 x Dense(1024) chain at batch 256, more than
+    the segments save). Without early stop the recompute returns normally
+    and its frames are freed by reference counting. It then also runs the
+    segment's tail after the last saved tensor, which is short: a segment
+    ends where it is cut, and its last layers' saved tensors come last.
+
+    The flag is this call's own argument: no global torch or Keras setting
+    changes. A `torch.utils.checkpoint.set_checkpoint_early_stop(...)`
+    context the user opened still takes precedence, as torch documents.
+    """
+    import torch.utils.checkpoint
+
+    def wrapped(*args):
+        return torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False, early_stop=False)
+
+    return wrapped
+
+
+def jax_remat(f, n_tied):
+    """`f` as a `jax.custom_vjp` whose backward pass recomputes it, from
+    arguments tied to the incoming cotangents.
+
+    The forward pass runs `f` and saves only its arguments (the segment's
+    inputs and the values its variables are read from). The backward pass
+    runs `jax.vjp(f, ...)` again on those arguments, the first `n_tied`
+    (the segment's inputs) passed through `jax_tie`: values unchanged, but
+    computed from the cotangents, so XLA can neither merge the recompute
+    into the forward pass (CSE sees different operands) nor schedule it
+    there (its operands exist only once the gradient does). `jax.checkpoint`
+    has no such dependency: XLA's CPU pipeline drops its optimization
+    barriers (`cse_barrier_expander`) and merges the recompute back into
+    the forward pass, keeping every activation alive (issue 14).
+
+    Everything `f` differentiates must be an argument (`custom_vjp`
+    refuses closed-over values being differentiated): the trainable values
+    of the trainer's enclosing `StatelessScope` are. Integer arguments and
+    outputs get float0 cotangents, as `jax.vjp` gives them.
+
+    Args:
+        f: a function of arrays returning a tuple of arrays.
+        n_tied: how many leading arguments to tie (the segment's inputs;
+            not the weights, which `jax_tie` would copy).
+
+    Returns:
+        A function with the signature and values of `f`.
+    """
+    import jax
+
+    @jax.custom_vjp
+    def remat(*args):
+        return f(*args)
+
+    def fwd(*args):
+        return f(*args), args
+
+    def bwd(args, cotangents):
+        tied = jax_tie(args[:n_tied], cotangents) + list(args[n_tied:])
+        recomputed, vjp = jax.vjp(f, *tied)
+        # The gradients are tied to the recomputed outputs, so that these
+        # stay live as in the forward pass: with them dead, XLA fused the
+        # recompute differently from the forward pass, and gradients came
+        # out 1 ulp off (the issue-13 chain, tests/test_exact_fit.py).
+        return tuple(jax_tie(vjp(cotangents), recomputed))
+
+    remat.defvjp(fwd, bwd)
+    return remat
+
+
+def jax_tie(arrays, cotangents):
+    """`arrays`, with their values bit for bit, as results of the
+    cotangents.
+
+    Each array goes through `select(p, x, 0)`, where `p` is true whatever
+    the cotangents hold: `(u | 1) != 0`, `u` the bits of the first element
+    of every floating cotangent, OR'ed (every one, not only the first: a
+    cotangent of an output nothing reads is a zero constant, and a tie on
+    constants only would fold away). A select keeps every value as it is
+    (-0.0, NaN, inf, integers), where `x + 0` would turn -0.0 into +0.0;
+    and unlike a comparison of a value with itself (`p == p`), XLA's
+    simplifier does not fold it (the tests check the compiled step).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    bits = [
+        lax.bitcast_convert_type(jnp.reshape(c, (-1,))[0].astype("float32"), jnp.uint32)
+        for c in cotangents
+        if jnp.issubdtype(c.dtype, jnp.floating) and c.size
+    ]
+    if not bits:
+        return list(arrays)
+    u = bits[0]
+    for b in bits[1:]:
+        u = u | b
+    keep = (u | 1) != 0
+    return [
+        x if x.dtype == jax.dtypes.float0 else lax.select(jnp.broadcast_to(keep, x.shape), x, jnp.zeros_like(x))
+        for x in arrays
+    ]
