@@ -40,7 +40,7 @@ import math
 import keras
 import networkx as nx
 
-from graphckpt import errors, keras_compat, rules
+from graphckpt import errors, keras_compat, keras_rules, rules
 from graphckpt.graph import TensorInfo, build_graph, functional_of
 from graphckpt.graph import _itemsize as _dtype_size
 from graphckpt.plan import (
@@ -166,8 +166,8 @@ def _rule(layer, ins, outs, node=None):
     if isinstance(layer, keras.Model):
         return _nested_rule(layer, ins, outs, None)
     if not isinstance(layer, keras.layers.Layer):  # a keras.ops operation
-        return rules.rule_of_op(layer, ins, outs)
-    found = rules.rule_of_layer(layer, ins, outs)
+        return keras_rules.rule_of_op(layer, ins, outs)
+    found = keras_rules.rule_of_layer(layer, ins, outs)
     if found is not None:
         return found
     if node is not None and layer._layers:
@@ -282,8 +282,8 @@ def is_expensive(layer):
         inner = getattr(layer, "forward_layer", None) or getattr(layer, "layer", None)
         return is_expensive(inner)
     if not isinstance(layer, keras.layers.Layer):
-        return rules.op_is_expensive(layer)
-    found = rules.registered_rule(type(layer))
+        return keras_rules.op_is_expensive(layer)
+    found = keras_rules.find_rule(type(layer))
     return bool(found and found[1])
 
 

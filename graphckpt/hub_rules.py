@@ -1,5 +1,5 @@
 """Estimator rules for keras_hub's own layers, registered by
-`graphckpt.rules` when the first keras_hub layer is estimated (the
+`graphckpt.keras_rules.find_rule` when the first keras_hub layer is estimated (the
 estimator never imports keras_hub itself).
 
 keras_hub's transformer blocks (`TransformerDecoder`, `LlamaTransformerDecoder`,

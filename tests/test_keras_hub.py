@@ -233,7 +233,7 @@ def test_grouped_query_attention_of_decoder_lms_is_estimated_as_attention(build,
     """keras_hub's Llama and Gemma attention layers (raw einsums between
     sublayers) get the attention rule: their decoder blocks keep at least
     the score buffers, heads x T x T per example, which grow with T^2."""
-    from graphckpt import hub_rules, rules
+    from graphckpt import hub_rules, keras_rules, rules
 
     backbone = build()
     attention = getattr(backbone.get_layer(block), attention_attr)
@@ -244,7 +244,7 @@ def test_grouped_query_attention_of_decoder_lms_is_estimated_as_attention(build,
         return call.kept_bytes
 
     short, long = decoder_kept(64), decoder_kept(256)
-    assert rules.registered_rule(type(attention))[0] is hub_rules._grouped_attention
+    assert keras_rules.find_rule(type(attention))[0] is hub_rules._grouped_attention
     scores = attention.num_query_heads * 256 * 256 * 4
     assert long >= rules.MHA_SCORE_BUFFERS * scores
     assert long > 8 * short  # quadratic in T: 16x for the scores, 4x for the rest
