@@ -76,9 +76,9 @@ def whole_remat(build):
 
 
 def equal_segments(build, segments="sqrt"):
+    from graphckpt.checkpointed import checkpointed_model
     from graphckpt.graph import build_graph
     from graphckpt.plan import plan_from_boundaries
-    from graphckpt.rewrite import rewrite
 
     model = build()
     graph = build_graph(model)
@@ -88,7 +88,7 @@ def equal_segments(build, segments="sqrt"):
     k = max(1, round(math.sqrt(n))) if segments == "sqrt" else int(segments)
     bounds = sorted({round(i * n / k) for i in range(k)})
     plan = plan_from_boundaries(graph, order, bounds, strategy="equal")
-    return rewrite(model, graph, plan)
+    return checkpointed_model(model, graph, plan)
 
 
 def graphckpt_budget(build, budget, batch_size):

@@ -13,9 +13,9 @@ import keras
 
 from graphckpt import errors, keras_compat
 from graphckpt.budget import check_batch_size, choose_plan
+from graphckpt.checkpointed import checkpointed_model
 from graphckpt.graph import build_graph, functional_of
 from graphckpt.plan import Plan
-from graphckpt.rewrite import rewrite
 from graphckpt.segment import Segment
 from graphckpt.shapes import InputShape, sized_graph
 
@@ -299,4 +299,4 @@ def checkpoint_model(
             stacklevel=2,
         )
         return model
-    return rewrite(model, graph, the_plan)
+    return checkpointed_model(model, graph, the_plan)

@@ -29,8 +29,9 @@ from keras import tree
 from graphckpt import errors, keras_compat, weights
 from graphckpt.graph import build_graph, call_ordinals, functional_of, tensor_key
 from graphckpt.plan import plan_from_boundaries
+from graphckpt.rewrite import rewrite
 
-__all__ = ["CheckpointedModel", "uncheckpoint", "plan_to_config", "plan_from_config"]
+__all__ = ["CheckpointedModel", "checkpointed_model", "uncheckpoint", "plan_to_config", "plan_from_config"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -169,8 +170,6 @@ def _clone_for_keras(model, inputs, operation_fn, call_fn):
         graphckpt.UnsupportedModelError: `call_function` added or dropped
             layer calls, so the plan does not fit the clone.
     """
-    from graphckpt.rewrite import rewrite  # rewrite builds this class
-
     source, key_of = _clone_source(model, inputs, operation_fn, call_fn)
     graph = build_graph(source)
     config = plan_to_config(graph, model.plan, key_of)
@@ -178,7 +177,7 @@ def _clone_for_keras(model, inputs, operation_fn, call_fn):
         plan = plan_from_config(graph, config)
     except ValueError as e:
         raise _cannot_clone(model, f"the clone's layer calls differ from the source's ({e})") from e
-    clone = rewrite(source, graph, plan)
+    clone = checkpointed_model(source, graph, plan)
     outputs = clone._outputs_struct
     object.__setattr__(tree.flatten(outputs)[0], _CLONE_ATTR, clone)
     return outputs
@@ -292,11 +291,9 @@ class CheckpointedModel(keras.Model):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        from graphckpt.rewrite import rewrite  # rewrite builds this class
-
         source = keras.saving.deserialize_keras_object(config["source"], custom_objects=custom_objects)
         graph = build_graph(source)
-        model = rewrite(source, graph, plan_from_config(graph, config["plan"]))
+        model = checkpointed_model(source, graph, plan_from_config(graph, config["plan"]))
         model.trainable = config.get("trainable", True)
         return model
 
@@ -326,6 +323,12 @@ class CheckpointedModel(keras.Model):
             note = "" if remat else ", not recomputed"
             lines.append(f"  {name} ({count}{note}): {', '.join(names)}")
         print_fn("\n".join(lines))
+
+
+def checkpointed_model(model, graph, plan):
+    """The `CheckpointedModel` of `model` (whose layer-call graph is
+    `graph`) for `plan`: `graphckpt.rewrite.rewrite` with this class."""
+    return rewrite(model, graph, plan, CheckpointedModel)
 
 
 def uncheckpoint(model: keras.Model) -> keras.Model:

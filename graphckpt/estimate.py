@@ -32,17 +32,15 @@ All results are frozen dataclasses of plain values.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
 import math
 
 import keras
 import networkx as nx
 
-from graphckpt import errors, keras_compat, keras_rules, rules
-from graphckpt.graph import TensorInfo, build_graph, functional_of
-from graphckpt.graph import _itemsize as _dtype_size
+from graphckpt import errors, keras_rules, layers_inside, rules
+from graphckpt.graph import build_graph, functional_of
+from graphckpt.keras_rules import is_expensive
 from graphckpt.plan import (
     MemoryModel,
     NodeCosts,
@@ -126,8 +124,9 @@ class MemoryEstimate:
 
 
 # ------------------------------------------------------------------ rules
-# Per-layer rules live in graphckpt.rules (a registry keyed by class); the
-# rules here look into layers that hold other layers.
+# Per-layer rules live in graphckpt.keras_rules and graphckpt.hub_rules (a
+# registry keyed by class, in graphckpt.rules); the rules here look into
+# nested models and, through graphckpt.layers_inside, layers of layers.
 
 
 def _nested_rule(layer, ins, outs, batch_size):
@@ -171,120 +170,10 @@ def _rule(layer, ins, outs, node=None):
     if found is not None:
         return found
     if node is not None and layer._layers:
-        composite = _composite_rule(layer, node, ins)
+        composite = layers_inside.composite_rule(layer, node, ins, _rule)
         if composite is not None:
             return composite
     return rules.unknown_rule(layer, ins, outs)
-
-
-@contextlib.contextmanager
-def _recording_sublayer_calls(record):
-    """Appends `(layer, args, kwargs, outputs)` to `record` for each layer
-    call made directly (not inside another recorded call) while active."""
-    base = keras.layers.Layer
-    original = base.__call__
-    depth = [0]
-
-    def __call__(self, *args, **kwargs):
-        top = depth[0] == 0
-        depth[0] += 1
-        try:
-            outputs = original(self, *args, **kwargs)
-        finally:
-            depth[0] -= 1
-        if top:
-            record.append((self, args, kwargs, outputs))
-        return outputs
-
-    base.__call__ = __call__
-    try:
-        yield
-    finally:
-        base.__call__ = original
-
-
-def _info(tensor):
-    """A per-example `TensorInfo` for a backend tensor met while tracing."""
-    shape = tuple(tensor.shape)
-    dtype = keras.backend.standardize_dtype(tensor.dtype)
-    n = math.prod(d if d is not None else 1 for d in shape[1:])
-    return TensorInfo(key=id(tensor), producer=None, shape=shape, dtype=dtype, nbytes=n * _dtype_size(dtype))
-
-
-def _tensors(structure):
-    return [t for t in keras.tree.flatten(structure) if hasattr(t, "shape") and hasattr(t, "dtype")]
-
-
-def _composite_rule(layer, node, ins):
-    """A layer of layers outside Keras (keras_hub's `TransformerDecoder`,
-    a user's block): the sum of what its sublayer calls keep, found by
-    calling it symbolically in training on the shapes it is called with
-    (batch 1). Raw ops between the sublayers are not counted. None when
-    the symbolic call fails."""
-    specs = {
-        id(t): keras.KerasTensor((1,) + tuple(info.shape[1:]), dtype=info.dtype)
-        for t, info in zip(node.input_tensors, ins)
-    }
-    args, kwargs = node.arguments.fill_in(specs)
-    if "training" in _call_parameters(layer):
-        kwargs = {**kwargs, "training": True}
-    record = []
-    try:
-        with _recording_sublayer_calls(record):
-            keras_compat.compute_output_spec(layer.call, *args, **kwargs)
-    except Exception:  # a layer that only runs on real data: keep the generic rule
-        return None
-    kept, internal, flops, expensive = {}, 0.0, 0.0, False
-    for sub, sub_args, sub_kwargs, sub_outputs in record:
-        sub_tensors = _tensors((sub_args, sub_kwargs))
-        sub_ins = [_info(t) for t in sub_tensors]
-        sub_outs = [_info(t) for t in _tensors(sub_outputs)]
-        rule = _rule(sub, sub_ins, sub_outs, _CallArguments(sub_args, sub_kwargs, sub_tensors))
-        kept.update((sub_ins[i].key, sub_ins[i].nbytes) for i in rule.saved_inputs if rules.is_float(sub_ins[i]))
-        kept.update((sub_outs[i].key, sub_outs[i].nbytes) for i in rule.saved_outputs)
-        internal += rule.internal
-        flops += rule.flops
-        expensive = expensive or rule.expensive
-    return rules.LayerRule(internal=internal + sum(kept.values()), flops=flops, expensive=expensive, name="layers inside")
-
-
-@dataclasses.dataclass(frozen=True)
-class _CallArguments:
-    """A recorded sublayer call, shaped like a Keras `Node` for
-    `_composite_rule`: its arguments and the tensors among them."""
-
-    args: tuple
-    kwargs: dict
-    input_tensors: list
-
-    @property
-    def arguments(self):
-        return self
-
-    def fill_in(self, specs):
-        return keras.tree.map_structure(lambda x: specs.get(id(x), x), (self.args, self.kwargs))
-
-
-def _call_parameters(layer):
-    try:
-        return inspect.signature(layer.call).parameters
-    except (TypeError, ValueError):
-        return {}
-
-
-def is_expensive(layer):
-    """True for matmul-like layers: Dense, EinsumDense, convolutions,
-    attention, recurrent layers, classes registered with `expensive=True`
-    (and nested models or wrappers holding any)."""
-    if isinstance(layer, keras.Model):
-        return any(is_expensive(inner) for inner in layer.layers)
-    if isinstance(layer, (keras.layers.Bidirectional, keras.layers.TimeDistributed)):
-        inner = getattr(layer, "forward_layer", None) or getattr(layer, "layer", None)
-        return is_expensive(inner)
-    if not isinstance(layer, keras.layers.Layer):
-        return keras_rules.op_is_expensive(layer)
-    found = keras_rules.find_rule(type(layer))
-    return bool(found and found[1])
 
 
 # ------------------------------------------------------------------ costs

@@ -189,8 +189,8 @@ def _plan_key(the_plan):
 def _twin_for(model, planner_kwargs):
     """The cached checkpointed twin of `model` for these planner arguments."""
     from graphckpt import api
+    from graphckpt.checkpointed import checkpointed_model
     from graphckpt.graph import build_graph
-    from graphckpt.rewrite import rewrite
     from graphckpt.segment import Segment
 
     the_plan = api.plan(model, **planner_kwargs)  # raises the same errors as checkpoint_model
@@ -203,7 +203,7 @@ def _twin_for(model, planner_kwargs):
     key = _plan_key(the_plan)
     twin = cache.twins.get(key)
     if twin is None:
-        ck = rewrite(model, build_graph(model), the_plan)
+        ck = checkpointed_model(model, build_graph(model), the_plan)
         twin = _Twin(ck, [l for l in ck.layers if isinstance(l, Segment)])
         cache.twins[key] = twin
     return twin

@@ -80,7 +80,7 @@ def tensor_key(tensor):
     return (op.name, node_index, tensor_index)
 
 
-def _itemsize(dtype):
+def dtype_size(dtype):
     import numpy as np
 
     try:
@@ -98,7 +98,7 @@ def _tensor_info(tensor, producer, key):
         producer=producer,
         shape=shape,
         dtype=str(tensor.dtype),
-        nbytes=int(per_example * _itemsize(tensor.dtype)),
+        nbytes=int(per_example * dtype_size(tensor.dtype)),
     )
 
 

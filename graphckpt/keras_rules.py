@@ -277,3 +277,18 @@ def rule_of_op(op, ins, outs):
 
 def op_is_expensive(op):
     return type(op).__module__.startswith("keras.") and type(op).__name__ in _OP_MATMUL
+
+
+def is_expensive(layer):
+    """True for matmul-like layers: Dense, EinsumDense, convolutions,
+    attention, recurrent layers, classes registered with `expensive=True`
+    (and nested models or wrappers holding any)."""
+    if isinstance(layer, keras.Model):
+        return any(is_expensive(inner) for inner in layer.layers)
+    if isinstance(layer, (keras.layers.Bidirectional, keras.layers.TimeDistributed)):
+        inner = getattr(layer, "forward_layer", None) or getattr(layer, "layer", None)
+        return is_expensive(inner)
+    if not isinstance(layer, keras.layers.Layer):
+        return op_is_expensive(layer)
+    found = find_rule(type(layer))
+    return bool(found and found[1])

@@ -27,7 +27,7 @@ def save_expensive(layer):
     """Keeps matmul-like calls (Dense, EinsumDense, convolutions, attention,
     recurrent layers, nested models holding any); recomputes the cheap ones
     between them (activations, normalization, dropout, pooling, elementwise)."""
-    from graphckpt.estimate import is_expensive
+    from graphckpt.keras_rules import is_expensive
 
     return is_expensive(layer)
 

@@ -15,7 +15,6 @@ import keras
 from keras import tree
 
 from graphckpt import errors, keras_compat
-from graphckpt.checkpointed import CheckpointedModel
 from graphckpt.graph import functional_of, live_tensors
 from graphckpt.segment import Segment
 
@@ -184,16 +183,20 @@ def _restore_nodes(lengths):
         keras_compat.truncate_calls(layer, n_in, n_out)
 
 
-def rewrite(model, graph, plan):
+def rewrite(model, graph, plan, model_class):
     """Builds the checkpointed functional model for `plan`.
 
     Args:
         model: the built functional model (or Sequential) `graph` came from.
         graph: its layer-call graph.
         plan: a `graphckpt.plan.Plan` over `graph`.
+        model_class: the new model's class, called as
+            `model_class(inputs=, outputs=, source=, plan=, name=)`:
+            `graphckpt.checkpointed.CheckpointedModel`, whose
+            `checkpointed_model` is the way to call this.
 
     Returns:
-        A new `CheckpointedModel` (a functional `keras.Model`) with the same
+        A new `model_class` (a functional `keras.Model`) with the same
         inputs and output structure and the same dtype policy, whose layers
         are `Segment`s (plus one `OutputName` per output made in a segment,
         which keeps the original output name). It remembers `model` and
@@ -234,7 +237,7 @@ def rewrite(model, graph, plan):
                 calls.append(keras_compat.inbound_nodes(named)[-1])
             outputs.append(out)
         outputs = tree.pack_sequence_as(fn._outputs_struct, outputs)
-        checkpointed = CheckpointedModel(
+        checkpointed = model_class(
             inputs=fn._inputs_struct,
             outputs=outputs,
             source=model,

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 import networkx as nx
 
 from graphckpt import errors
-from graphckpt.graph import TensorInfo, _itemsize
+from graphckpt.graph import TensorInfo, dtype_size
 
 __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propagate", "unknown_inputs"]
 
@@ -191,7 +191,7 @@ def _info(info, shape):
         producer=info.producer,
         shape=shape,
         dtype=info.dtype,
-        nbytes=int(per_example * _itemsize(info.dtype)),
+        nbytes=int(per_example * dtype_size(info.dtype)),
     )
 
 

@@ -390,7 +390,7 @@ def masked_pooling():
 def test_bool_first_segment_output_is_differentiable():
     """Regression: a cut right after Embedding's mask op made a Segment whose
     first output is boolean; graph-mode recompute_grad read its gradient."""
-    from graphckpt.rewrite import rewrite
+    from graphckpt.checkpointed import checkpointed_model
 
     model = masked_pooling()
     g = build_graph(model)
@@ -401,7 +401,7 @@ def test_bool_first_segment_output_is_differentiable():
     plan = bool_first[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ck = rewrite(model, g, plan)
+        ck = checkpointed_model(model, g, plan)
     compare_step(model, ck, models.sample_inputs(model), graph=True)
 
 

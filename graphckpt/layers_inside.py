@@ -1,0 +1,116 @@
+"""The estimator's rule for a layer of layers outside Keras (keras_hub's
+`TransformerDecoder`, a user's block): what its sublayer calls keep, found
+by calling it symbolically and recording the calls it makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+
+import keras
+
+from graphckpt import keras_compat, rules
+from graphckpt.graph import TensorInfo, dtype_size
+
+__all__ = ["composite_rule"]
+
+
+@contextlib.contextmanager
+def _recording_sublayer_calls(record):
+    """Appends `(layer, args, kwargs, outputs)` to `record` for each layer
+    call made directly (not inside another recorded call) while active."""
+    base = keras.layers.Layer
+    original = base.__call__
+    depth = [0]
+
+    def __call__(self, *args, **kwargs):
+        top = depth[0] == 0
+        depth[0] += 1
+        try:
+            outputs = original(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if top:
+            record.append((self, args, kwargs, outputs))
+        return outputs
+
+    base.__call__ = __call__
+    try:
+        yield
+    finally:
+        base.__call__ = original
+
+
+def _info(tensor):
+    """A per-example `TensorInfo` for a backend tensor met while tracing."""
+    shape = tuple(tensor.shape)
+    dtype = keras.backend.standardize_dtype(tensor.dtype)
+    n = math.prod(d if d is not None else 1 for d in shape[1:])
+    return TensorInfo(key=id(tensor), producer=None, shape=shape, dtype=dtype, nbytes=n * dtype_size(dtype))
+
+
+def _tensors(structure):
+    return [t for t in keras.tree.flatten(structure) if hasattr(t, "shape") and hasattr(t, "dtype")]
+
+
+def composite_rule(layer, node, ins, rule_of):
+    """A layer of layers outside Keras (keras_hub's `TransformerDecoder`,
+    a user's block): the sum of what its sublayer calls keep, found by
+    calling it symbolically in training on the shapes it is called with
+    (batch 1). Raw ops between the sublayers are not counted. None when
+    the symbolic call fails.
+
+    `rule_of(layer, ins, outs, node)` gives each sublayer call's rule (the
+    estimator's, which may come back here for a sublayer of layers)."""
+    specs = {
+        id(t): keras.KerasTensor((1,) + tuple(info.shape[1:]), dtype=info.dtype)
+        for t, info in zip(node.input_tensors, ins)
+    }
+    args, kwargs = node.arguments.fill_in(specs)
+    if "training" in _call_parameters(layer):
+        kwargs = {**kwargs, "training": True}
+    record = []
+    try:
+        with _recording_sublayer_calls(record):
+            keras_compat.compute_output_spec(layer.call, *args, **kwargs)
+    except Exception:  # a layer that only runs on real data: keep the generic rule
+        return None
+    kept, internal, flops, expensive = {}, 0.0, 0.0, False
+    for sub, sub_args, sub_kwargs, sub_outputs in record:
+        sub_tensors = _tensors((sub_args, sub_kwargs))
+        sub_ins = [_info(t) for t in sub_tensors]
+        sub_outs = [_info(t) for t in _tensors(sub_outputs)]
+        rule = rule_of(sub, sub_ins, sub_outs, _CallArguments(sub_args, sub_kwargs, sub_tensors))
+        kept.update((sub_ins[i].key, sub_ins[i].nbytes) for i in rule.saved_inputs if rules.is_float(sub_ins[i]))
+        kept.update((sub_outs[i].key, sub_outs[i].nbytes) for i in rule.saved_outputs)
+        internal += rule.internal
+        flops += rule.flops
+        expensive = expensive or rule.expensive
+    return rules.LayerRule(internal=internal + sum(kept.values()), flops=flops, expensive=expensive, name="layers inside")
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallArguments:
+    """A recorded sublayer call, shaped like a Keras `Node` for
+    `composite_rule`: its arguments and the tensors among them."""
+
+    args: tuple
+    kwargs: dict
+    input_tensors: list
+
+    @property
+    def arguments(self):
+        return self
+
+    def fill_in(self, specs):
+        return keras.tree.map_structure(lambda x: specs.get(id(x), x), (self.args, self.kwargs))
+
+
+def _call_parameters(layer):
+    try:
+        return inspect.signature(layer.call).parameters
+    except (TypeError, ValueError):
+        return {}
