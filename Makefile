@@ -21,12 +21,23 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/graphckpt demo
 
-# The linter runs first (`make lint`). The full suite runs on TensorFlow; the tests marked `backends` run again
-# under JAX and PyTorch, each backend in its own pytest process (Keras fixes
-# the backend at import). Every backend runs even if an earlier one failed.
+# The linter runs first (`make lint`). The full suite runs on TensorFlow; the
+# tests marked `backends` run again under JAX and PyTorch, and on TensorFlow
+# with the oldest Keras of pyproject's range, each in its own pytest process
+# (Keras fixes the backend at import). Every run goes on even if an earlier
+# one failed.
 OTHER_BACKENDS ?= jax torch
+# The oldest Keras of pyproject's range (the venv has the newest), put first
+# on the path (keras-hub 0.32 itself needs a newer Keras: its tests run on
+# the newest only).
+KERAS_OLDEST ?= 3.15.0
+OLDEST_DIR := .keras-$(KERAS_OLDEST)
 
-test: install lint
+$(OLDEST_DIR)/.installed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps --target $(OLDEST_DIR) keras==$(KERAS_OLDEST)
+	touch $@
+
+test: install lint $(OLDEST_DIR)/.installed
 	@status=0; \
 	echo "== KERAS_BACKEND=tensorflow: full suite =="; \
 	KERAS_BACKEND=tensorflow $(PY) -m pytest -q || status=1; \
@@ -34,6 +45,9 @@ test: install lint
 	  echo "== KERAS_BACKEND=$$b: tests marked 'backends' =="; \
 	  KERAS_BACKEND=$$b $(PY) -m pytest -q -m "backends and not slow" || status=1; \
 	done; \
+	echo "== Keras $$(PYTHONPATH=$(OLDEST_DIR) $(PY) -c 'import keras; print(keras.__version__)'), tensorflow: tests marked 'backends' =="; \
+	PYTHONPATH=$(OLDEST_DIR) KERAS_BACKEND=tensorflow $(PY) -m pytest -q -m "backends and not slow" \
+	  --ignore tests/test_keras_hub.py || status=1; \
 	exit $$status
 
 # ruff, configured in pyproject.toml (pinned in constraints-ci.txt).
@@ -43,14 +57,10 @@ lint: install
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
-# The oldest Keras of pyproject's range (the venv has the newest): the
-# backend-agnostic tests on TensorFlow with that Keras put first on the path
-# (keras-hub 0.32 itself needs a newer Keras: its tests run on the newest).
-KERAS_OLDEST ?= 3.15.0
-test-keras-versions: install
-	$(PY) -m pip install -q --no-deps --target .keras-$(KERAS_OLDEST) keras==$(KERAS_OLDEST)
-	PYTHONPATH=.keras-$(KERAS_OLDEST) $(PY) -m pytest -q -m "backends and not slow" --ignore tests/test_keras_hub.py
-	$(PY) -m pytest -q -m "backends and not slow"
+# Only the two Keras runs of `make test`: the oldest, then the newest.
+test-keras-versions: $(OLDEST_DIR)/.installed
+	PYTHONPATH=$(OLDEST_DIR) KERAS_BACKEND=tensorflow $(PY) -m pytest -q -m "backends and not slow" --ignore tests/test_keras_hub.py
+	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -m "backends and not slow"
 
 bench: install
 	$(PY) benchmarks/run_all.py

@@ -2,7 +2,7 @@
 KERAS_BACKEND selects (CI runs it under tensorflow, jax and torch, in
 separate processes).
 
-Gradients are computed the way each backend does (tests/backend_helpers.py):
+Gradients are computed the way each backend does (tests/helpers.py):
 a GradientTape on TensorFlow, `jax.value_and_grad` over `stateless_call` on
 JAX, `torch.autograd` on PyTorch.
 """
@@ -15,8 +15,7 @@ from keras import layers, ops
 import graphckpt
 from graphckpt.segment import Segment
 from tests import models
-from tests.backend_helpers import BACKEND, compare_step, jax_loss_fn, to_numpy
-from tests.helpers import state_of
+from tests.helpers import BACKEND, compare_step, jax_loss_fn, state_of, to_numpy
 
 pytestmark = pytest.mark.backends
 
@@ -146,6 +145,12 @@ def test_layer_losses_are_kept(compiled):
     ck = graphckpt.checkpoint_model(model, segments=3)
     x = np.random.default_rng(2).normal(size=(5, 8)).astype("float32")
     compare_step(model, ck, x, compiled=compiled)
+    model(x, training=True)
+    own = sorted(float(to_numpy(v)) for v in model.losses)
+    ck(x, training=True)
+    ours = sorted(float(to_numpy(v)) for v in ck.losses)
+    np.testing.assert_allclose(ours, own, rtol=1e-6)
+    assert len(ours) == 6 + 6 + 1  # kernel l2, activity l1, add_loss
 
 
 @MODES
@@ -189,14 +194,61 @@ def test_bool_and_int_inputs_cross_segments(compiled):
     compare_step(model, ck, x, compiled=compiled)
 
 
+# float16 on TensorFlow only: the CPU kernels of JAX and PyTorch for it are
+# partial and slow; bfloat16 everywhere.
+POLICIES = {"tensorflow": ["mixed_bfloat16", "mixed_float16"]}.get(BACKEND, ["mixed_bfloat16"])
+
+
 @MODES
-def test_mixed_bfloat16(compiled):
-    keras.config.set_dtype_policy("mixed_bfloat16")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_mixed_precision(policy, compiled):
+    keras.config.set_dtype_policy(policy)
     model = models.resnet(blocks=2)
     ck = graphckpt.checkpoint_model(model)
     x = np.random.default_rng(5).normal(size=(2, 8, 8, 3)).astype("float32")
-    assert ck.compute_dtype == model.compute_dtype == "bfloat16"
+    assert ck.compute_dtype == model.compute_dtype == policy.removeprefix("mixed_")
     compare_step(model, ck, x, compiled=compiled, atol=2e-2, rtol=2e-2)
+
+
+class _UnseededNoise(layers.Layer):
+    """Draws from Keras's global seed generator (`seed=None`)."""
+
+    def call(self, x, training=None):
+        if training:
+            return x * keras.random.uniform(ops.shape(x), 0.5, 1.5)
+        return x
+
+
+def _unseeded_model():
+    keras.random.uniform((1,))  # the global generator exists before the rewrite
+    inp = keras.Input((8,))
+    x = inp
+    for _ in range(6):
+        x = _UnseededNoise()(layers.Dense(8, activation="tanh")(x))
+    return keras.Model(inp, layers.Dense(1)(x))
+
+
+# JAX refuses unseeded random ops in a traced function (Keras's own rule).
+UNSEEDED = pytest.mark.skipif(BACKEND == "jax", reason="Keras forbids unseeded random ops under a JAX trace")
+
+
+@UNSEEDED
+@MODES
+def test_unseeded_random_ops_are_exact(compiled):
+    model = _unseeded_model()
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    compare_step(model, ck, np.ones((4, 8), "float32"), compiled=compiled)
+
+
+@UNSEEDED
+def test_unseeded_random_ops_need_the_global_state(monkeypatch):
+    """Guard: without the global generator in the snapshot the recompute
+    draws again and the gradients differ."""
+    monkeypatch.setattr("graphckpt.segment._global_seed_state", lambda: [])
+    model = _unseeded_model()
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    with pytest.raises(AssertionError):
+        compare_step(model, ck, np.ones((4, 8), "float32"))
 
 
 def _segments(ck):

@@ -247,7 +247,7 @@ def test_hard_layers_give_exact_gradients(kind, graph):
     ck = graphckpt.checkpoint_model(model, segments=3)
     if "noise" not in kind:  # the noise is drawn in inference too
         compare_inference(model, ck, x)
-    compare_step(model, ck, x, graph=graph)
+    compare_step(model, ck, x, compiled=graph)
 
 
 def test_extra_kwargs_really_matter():

@@ -346,7 +346,7 @@ def test_budget_plans_are_exact(name, graph):
     ck = graphckpt.checkpoint_model(model, budget=budget, batch_size=64)
     segments = [layer for layer in ck.layers if isinstance(layer, Segment)]
     assert segments, "the budget plan should recompute something"
-    compare_step(model, ck, models.sample_inputs(model), graph=graph)
+    compare_step(model, ck, models.sample_inputs(model), compiled=graph)
     if not graph:
         assert all(s.forward_calls >= 2 for s in segments)  # forward, then recompute
 
@@ -367,7 +367,7 @@ def test_policy_keeps_expensive_calls_and_is_exact(graph):
     ck = graphckpt.checkpoint_model(model, policy="save_expensive", batch_size=4)
     kept_layers = {g.nodes[n]["layer"] for s in p.segments if not s.remat for n in s.nodes}
     assert kept_layers <= set(ck.layers)  # expensive calls run inline, not in a Segment
-    compare_step(model, ck, models.sample_inputs(model), graph=graph)
+    compare_step(model, ck, models.sample_inputs(model), compiled=graph)
 
 
 def test_policy_with_a_budget_and_named_layers():
@@ -402,7 +402,7 @@ def test_bool_first_segment_output_is_differentiable():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ck = checkpointed_model(model, g, plan)
-    compare_step(model, ck, models.sample_inputs(model), graph=True)
+    compare_step(model, ck, models.sample_inputs(model), compiled=True)
 
 
 def test_smallest_peak_is_below_auto_and_sqrt_on_real_graphs():

@@ -88,7 +88,7 @@ def check_model_spec(spec, data):
         compare_inference(model, ck, x)
         # A variable the original gives no gradient (behind an unused output
         # of a nested model) gets none from the checkpointed model either.
-        compare_step(model, ck, x, graph=graph, unconnected="same")
+        compare_step(model, ck, x, compiled=graph, unconnected="same")
 
 
 @settings(max_examples=12, derandomize=True, database=None, **_COMMON)
@@ -218,7 +218,7 @@ def test_variables_the_loss_does_not_reach_get_no_gradient(build, graph):
     x = sample_inputs(model, batch=3)
     n = len(graphckpt.plan(model, segments=1).order)
     for k in range(1, n + 1):
-        compare_step(model, graphckpt.checkpoint_model(model, segments=k), x, graph=graph, unconnected="same")
+        compare_step(model, graphckpt.checkpoint_model(model, segments=k), x, compiled=graph, unconnected="same")
 
 
 def _stop_gradient_inside():
@@ -238,7 +238,7 @@ def test_variable_behind_stop_gradient_gets_no_gradient(graph):
     original gives None."""
     model = _stop_gradient_inside()
     x = sample_inputs(model, batch=3)
-    compare_step(model, graphckpt.checkpoint_model(model, segments=1), x, graph=graph, unconnected="same")
+    compare_step(model, graphckpt.checkpoint_model(model, segments=1), x, compiled=graph, unconnected="same")
 
 
 @pytest.mark.xfail(

@@ -20,7 +20,7 @@ import graphckpt
 from graphckpt import cli
 from graphckpt.graph import build_graph
 from graphckpt.shapes import UnknownDimensionWarning, parse_input_shape, sized_graph
-from tests.backend_helpers import compare_step, to_numpy
+from tests.helpers import compare_step, to_numpy
 from tests.untouched import Snapshot
 
 VOCAB = 50

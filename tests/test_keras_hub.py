@@ -19,8 +19,7 @@ import graphckpt
 from graphckpt.fit import _CACHE_ATTR
 from graphckpt.segment import Segment
 from graphckpt.shapes import UnknownDimensionWarning
-from tests.backend_helpers import to_numpy
-from tests.helpers import compare_step
+from tests.helpers import compare_step, to_numpy
 
 VOCAB, BATCH, SEQ = 64, 2, 16
 

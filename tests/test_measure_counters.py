@@ -7,7 +7,7 @@ import pytest
 
 from graphckpt.measure import measure
 from tests import measure_builders as mb
-from tests.backend_helpers import BACKEND
+from tests.helpers import BACKEND
 
 pytestmark = [pytest.mark.backends, pytest.mark.slow]
 

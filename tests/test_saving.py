@@ -86,7 +86,7 @@ def test_a_layer_shared_across_segments_stays_one_layer(tmp_path):
     # Training moves the one shared kernel; both segments see the move.
     plain = graphckpt.uncheckpoint(loaded)
     assert plain.get_layer("shared") is copies[0]
-    compare_step(plain, loaded, x, graph=True)
+    compare_step(plain, loaded, x, compiled=True)
 
 
 def test_the_loaded_model_trains_with_checkpointing(tmp_path):
@@ -109,7 +109,7 @@ def test_the_loaded_model_trains_with_checkpointing(tmp_path):
     assert [s.forward_calls for s in segments] == [2, 2, 2]  # recomputed in backward
 
     # Exact against its own plain model; `fit` recomputes every step.
-    compare_step(graphckpt.uncheckpoint(loaded), loaded, x, graph=False)
+    compare_step(graphckpt.uncheckpoint(loaded), loaded, x, compiled=False)
     before = [s.forward_calls for s in segments]
     loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert [s.forward_calls - b for s, b in zip(segments, before)] == [4, 4, 4]  # 2 steps x (forward + recompute)
@@ -151,7 +151,7 @@ def test_budget_plan_with_segments_not_recomputed(tmp_path):
     assert re.search(r"^  inline_\d+ \(\d+ layers?, not recomputed\): ", lines[-1], flags=re.M)
     x = np.random.default_rng(3).normal(size=(4, 16)).astype("float32")
     assert_same(predict(loaded, x), predict(ck, x), rtol=1e-6)
-    compare_step(graphckpt.uncheckpoint(loaded), loaded, x, graph=True)
+    compare_step(graphckpt.uncheckpoint(loaded), loaded, x, compiled=True)
 
 
 def test_sequential_source(tmp_path):

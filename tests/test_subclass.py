@@ -15,7 +15,7 @@ from keras import layers
 
 import graphckpt
 from graphckpt.fit import _CACHE_ATTR
-from tests.backend_helpers import BACKEND, to_numpy
+from tests.helpers import BACKEND, to_numpy
 
 X = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
 Y = np.random.default_rng(1).normal(size=(32, 1)).astype("float32")

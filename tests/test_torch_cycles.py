@@ -18,7 +18,7 @@ import pytest
 
 import graphckpt
 from graphckpt.segment import Segment
-from tests.backend_helpers import BACKEND
+from tests.helpers import BACKEND
 
 pytestmark = [
     pytest.mark.backends,

@@ -16,7 +16,7 @@ from keras import layers
 import graphckpt
 from graphckpt.segment import Segment
 from tests import models
-from tests.backend_helpers import BACKEND, compare_step, to_numpy
+from tests.helpers import BACKEND, compare_step, to_numpy
 
 
 def shared_across_segments(dropout=0.3):

@@ -91,7 +91,7 @@ def check(name, batch=2, graph=False, dtype=None, atol=1e-5, rtol=1e-6):
     size = input_size(name)
     x = np.random.default_rng(0).normal(size=(batch, size, size, 3)).astype("float32")
     compare_inference(model, ck, x, atol=atol)
-    worst = compare_step(model, ck, x, graph=graph, atol=atol, rtol=rtol)
+    worst = compare_step(model, ck, x, compiled=graph, atol=atol, rtol=rtol)
     return Result(
         name=name,
         dtype=dtype,

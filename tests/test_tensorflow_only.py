@@ -1,0 +1,102 @@
+"""TensorFlow-only exactness extras; the exactness suite for every backend
+is tests/test_backends.py (which also runs on TensorFlow).
+
+Here: what the traced graph holds (the recomputed MatMuls), the weights a
+recompute reads, and training under XLA (`jit_compile=True`).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import graphckpt
+from graphckpt.segment import Segment
+from tests import models
+from tests.helpers import state_of
+
+MODES = pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+
+
+@MODES
+def test_recompute_uses_the_weights_the_forward_pass_read(graph):
+    """Weights written between the forward pass and the backward pass (an
+    optimizer update the executor runs early) do not reach the recompute:
+    it uses the forward pass's reads, as the plain model's backward pass
+    does. Reading the variables again in the backward pass let TensorFlow's
+    executor run a step's weight update before a recompute, now and then,
+    under load: a wrong gradient (issue 14)."""
+    model = models.chain(depth=6)
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 16)).astype("float32"))
+    variables = model.trainable_variables
+    start = [v.numpy() for v in variables]
+
+    def grads_after_a_write(m):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(m(x, training=True) ** 2)
+        for v in variables:
+            v.assign(v * 2.0)
+        return tape.gradient(loss, variables)
+
+    def run(m):
+        for v, value in zip(variables, start):
+            v.assign(value)
+        step = tf.function(grads_after_a_write) if graph else grads_after_a_write
+        return [g.numpy() for g in step(m)]
+
+    want, got = run(model), run(ck)
+    assert [s.forward_calls for s in ck.layers if isinstance(s, Segment)][0] == 2  # recomputed
+    for v, a, b in zip(variables, got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"gradient of {v.path}")
+
+
+def _count_ops(concrete, op_type):
+    graphs = [concrete.graph] + [f.graph for f in concrete.graph._functions.values() if hasattr(f, "graph")]
+    count = 0
+    for g in graphs:
+        count += sum(op.type == op_type for op in g.get_operations())
+    return count
+
+
+def test_recompute_really_happens_in_graph():
+    """The traced training step holds more MatMuls: the recomputed forward."""
+
+    def traced(model):
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                y = model(x, training=True)
+            return tape.gradient(y, model.trainable_variables)
+
+        return step.get_concrete_function(tf.TensorSpec((2, 16)))
+
+    model = models.chain(depth=12)
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    plain = _count_ops(traced(model), "MatMul")
+    ours = _count_ops(traced(ck), "MatMul")
+    assert plain == 3 * 13 - 1  # forward + 2 backward per Dense, none for d(loss)/d(x)
+    # Plus one recomputed forward per Dense, plus d/dx of the first segment,
+    # which tf.recompute_grad computes for every argument.
+    assert ours == plain + 13 + 1
+
+
+def test_fit_under_xla_gives_the_same_history_and_trains_the_original():
+    """`jit_compile=True`: the segments' custom gradients survive XLA."""
+    def fresh():
+        keras.utils.set_random_seed(7)
+        return models.resnet(blocks=2)
+
+    x = np.random.default_rng(3).normal(size=(16, 8, 8, 3)).astype("float32")
+    y = np.random.default_rng(4).normal(size=(16, 3)).astype("float32")
+    plain = fresh()
+    plain.compile(optimizer="adam", loss="mse", jit_compile=True)
+    h0 = plain.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0).history["loss"]
+
+    model = fresh()
+    ck = graphckpt.checkpoint_model(model)
+    ck.compile(optimizer="adam", loss="mse", jit_compile=True)
+    h1 = ck.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(h1, h0, rtol=1e-4)
+    for a, b in zip(state_of(model), state_of(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
