@@ -326,18 +326,22 @@ def _fit(model, x, y, **compile_kwargs):
     return model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0).history["loss"]
 
 
-def test_fit_gives_the_same_history_and_trains_the_original():
+# On TensorFlow also under XLA (`jit_compile=True`): the segments' custom
+# gradients survive it. JAX's fit always jits; PyTorch has no XLA here.
+@pytest.mark.parametrize("xla", {"tensorflow": [False, True]}.get(BACKEND, [False]), ids=lambda x: "xla" if x else "")
+def test_fit_gives_the_same_history_and_trains_the_original(xla):
     def fresh():
         keras.utils.set_random_seed(7)
         return models.resnet(blocks=2)
 
     x = np.random.default_rng(3).normal(size=(16, 8, 8, 3)).astype("float32")
     y = np.random.default_rng(4).normal(size=(16, 3)).astype("float32")
+    xla = {"jit_compile": True} if xla else {}
     plain = fresh()
-    h0 = _fit(plain, x, y)
+    h0 = _fit(plain, x, y, **xla)
     model = fresh()
     ck = graphckpt.checkpoint_model(model)
-    h1 = _fit(ck, x, y)
+    h1 = _fit(ck, x, y, **xla)
     np.testing.assert_allclose(h1, h0, rtol=1e-4)
     assert h1[-1] < h1[0]
     for a, b in zip(state_of(model), state_of(plain)):

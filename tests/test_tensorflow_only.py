@@ -1,11 +1,10 @@
 """TensorFlow-only exactness extras; the exactness suite for every backend
 is tests/test_backends.py (which also runs on TensorFlow).
 
-Here: what the traced graph holds (the recomputed MatMuls), the weights a
-recompute reads, and training under XLA (`jit_compile=True`).
+Here: what the traced graph holds (the recomputed MatMuls) and the weights
+a recompute reads.
 """
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -13,7 +12,6 @@ import tensorflow as tf
 import graphckpt
 from graphckpt.segment import Segment
 from tests import models
-from tests.helpers import state_of
 
 MODES = pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 
@@ -79,24 +77,3 @@ def test_recompute_really_happens_in_graph():
     # Plus one recomputed forward per Dense, plus d/dx of the first segment,
     # which tf.recompute_grad computes for every argument.
     assert ours == plain + 13 + 1
-
-
-def test_fit_under_xla_gives_the_same_history_and_trains_the_original():
-    """`jit_compile=True`: the segments' custom gradients survive XLA."""
-    def fresh():
-        keras.utils.set_random_seed(7)
-        return models.resnet(blocks=2)
-
-    x = np.random.default_rng(3).normal(size=(16, 8, 8, 3)).astype("float32")
-    y = np.random.default_rng(4).normal(size=(16, 3)).astype("float32")
-    plain = fresh()
-    plain.compile(optimizer="adam", loss="mse", jit_compile=True)
-    h0 = plain.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0).history["loss"]
-
-    model = fresh()
-    ck = graphckpt.checkpoint_model(model)
-    ck.compile(optimizer="adam", loss="mse", jit_compile=True)
-    h1 = ck.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(h1, h0, rtol=1e-4)
-    for a, b in zip(state_of(model), state_of(plain)):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
