@@ -16,7 +16,7 @@ import traceback
 
 from graphckpt.measure.counters import counter_for
 from graphckpt.measure.recipes import load
-from graphckpt.measure.records import Measurement, failed
+from graphckpt.measure.records import failed, from_spec
 
 
 def _source_fingerprint(package_dir):
@@ -264,17 +264,11 @@ def _measurement(spec, model, info, device, memory_method, peaks, resident, time
     """The `Measurement` of a successful run."""
     from graphckpt.segment import Segment
 
-    return Measurement(
-        label=spec["label"],
-        method=spec["method"],
-        builder=spec["builder"],
+    return from_spec(
+        spec,
         ok=True,
         device=device,
         memory_method=memory_method,
-        batch_size=spec["batch_size"],
-        steps=spec["steps"],
-        warmup=spec["warmup"],
-        jit_compile=spec["jit_compile"],
         peak_bytes=max(peaks),
         step_peak_bytes=tuple(peaks),
         resident_bytes=int(resident),

@@ -143,18 +143,15 @@ def format_bytes(n):
         n /= 1024
 
 
+_FROM_SPEC = ("label", "method", "builder", "batch_size", "steps", "warmup", "jit_compile")
+
+
+def from_spec(spec, **fields):
+    """A `Measurement` of the run `spec` describes, with `fields` besides
+    the spec's own (label, method, builder, batch and step counts, XLA)."""
+    return Measurement(**{k: spec[k] for k in _FROM_SPEC}, **fields)
+
+
 def failed(spec, phase, error, info=None):
     """The `Measurement` of a run that failed in `phase`."""
-    return Measurement(
-        label=spec["label"],
-        method=spec["method"],
-        builder=spec["builder"],
-        ok=False,
-        error=error,
-        phase=phase,
-        batch_size=spec["batch_size"],
-        steps=spec["steps"],
-        warmup=spec["warmup"],
-        jit_compile=spec["jit_compile"],
-        info=info or {},
-    )
+    return from_spec(spec, ok=False, error=error, phase=phase, info=info or {})
