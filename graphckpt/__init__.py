@@ -56,8 +56,10 @@ _KERAS_FREE = frozenset({"Plan"})
 _state = {"loading": False, "loaded": False}
 
 
-def _load_api():
-    """Imports every public name (and so Keras) once.
+def load_api():
+    """Imports every public name (and so Keras) once: what the first use of
+    a public name does, for a caller that needs it at a time of its own
+    (the CLI, after it imported Keras quietly).
 
     The names are bound after all the modules are imported: importing the
     submodules `graphckpt.plan` and `graphckpt.estimate` binds those names
@@ -85,7 +87,7 @@ def __getattr__(name):
         # A Keras-free name stays cheap: the planner imports without a backend.
         module = importlib.import_module(_LAZY[name][0])
         return module if _LAZY[name][1] is None else getattr(module, _LAZY[name][1])
-    _load_api()
+    load_api()
     if name in globals():
         return globals()[name]
     raise AttributeError(f"module 'graphckpt' has no attribute {name!r}")
@@ -131,7 +133,7 @@ class _LoadWithKeras:
             type(loader).exec_module(loader, module)
             _remove_hook()
             if not _graphckpt_module_initializing():
-                _load_api()
+                load_api()
 
         loader.exec_module = exec_module
         return spec
@@ -142,6 +144,6 @@ def _remove_hook():
 
 
 if "keras" in sys.modules:
-    _load_api()  # Keras is there already: nothing to save by waiting
+    load_api()  # Keras is there already: nothing to save by waiting
 else:
     sys.meta_path.insert(0, _LoadWithKeras())

@@ -1,4 +1,5 @@
-"""Public entry points: `checkpoint_model` and `plan`.
+"""Public entry points: `checkpoint_model` and `plan`, and `planned` (a
+plan with the graphs it was made on: what `graphckpt inspect` shows).
 
 Arguments are checked here, once, and every failure becomes one
 `GraphckptError` that names what was received and what to do.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import keras
 
@@ -19,7 +21,7 @@ from graphckpt.plan import Plan
 from graphckpt.segment import Segment
 from graphckpt.shapes import InputShape, sized_graph
 
-__all__ = ["checkpoint_model", "plan", "is_checkpointed"]
+__all__ = ["checkpoint_model", "plan", "planned", "Planned", "is_checkpointed"]
 
 
 def _segment_holders(model):
@@ -29,7 +31,7 @@ def _segment_holders(model):
     return [
         layer.name
         for layer in model.layers
-        if any(isinstance(inner, Segment) for inner in layer._flatten_layers(include_self=True))
+        if any(isinstance(inner, Segment) for inner in keras_compat.sublayers(layer))
     ]
 
 
@@ -116,10 +118,49 @@ def _check_no_overrides(model):
         )
 
 
+class Planned(NamedTuple):
+    """A plan with the graphs it was made on (`graphckpt.api.planned`).
+
+    Attributes:
+        graph: the model's layer-call graph (`graphckpt.graph.build_graph`),
+            which the rewrite takes.
+        sized_graph: the same graph with the tensor sizes the plan was
+            estimated for (`input_shape` propagated).
+        plan: the `graphckpt.Plan`.
+        unchanged: why the plan checkpoints nothing (a budget at or above
+            the baseline), or None.
+    """
+
+    graph: object
+    sized_graph: object
+    plan: Plan
+    unchanged: str | None
+
+    def warn_if_unchanged(self, model_name, stacklevel=2):
+        if self.unchanged:
+            warnings.warn(
+                f"The plan for model '{model_name}' checkpoints nothing: {self.unchanged}.",
+                stacklevel=stacklevel + 1,
+            )
+
+
+def planned(
+    model: keras.Model,
+    *,
+    segments: int | str = "auto",
+    budget: float | int | str | None = None,
+    batch_size: int | None = None,
+    policy: str | Callable | None = None,
+    input_shape: InputShape | None = None,
+) -> Planned:
+    """`plan`, with the graphs the plan was made on: for tools that show a
+    plan layer by layer (`graphckpt inspect`). Arguments as in `plan`;
+    it warns only of unknown dimensions (see `Planned.warn_if_unchanged`)."""
+    return _planned(model, segments, budget, batch_size, policy, input_shape, stacklevel=3)
+
+
 def _planned(model, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None, stacklevel=3):
-    """`(graph, sized graph, plan, unchanged)` for the arguments of `plan`:
-    the sized graph has the real shapes the plan was made for; the rewrite
-    takes the model's own graph."""
+    """`planned`, warning of unknown dimensions at `stacklevel` above its caller."""
     _check_model(model)
     holders = _segment_holders(model)
     if holders:
@@ -136,7 +177,7 @@ def _planned(model, segments="auto", budget=None, batch_size=None, policy=None, 
         check_batch_size(graph, batch_size)  # before comparing it with `input_shape`
     sized, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=stacklevel + 1)
     the_plan, unchanged = choose_plan(sized, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
-    return graph, sized, the_plan, unchanged
+    return Planned(graph, sized, the_plan, unchanged)
 
 
 def plan(
@@ -198,14 +239,9 @@ def plan(
         >>> p = graphckpt.plan(model, budget=0.3, batch_size=32)
         >>> p.estimated_peak_bytes, p.baseline_peak_bytes
     """
-    _, _, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy, input_shape)
-    _warn_unchanged(model, unchanged, stacklevel=3)
-    return the_plan
-
-
-def _warn_unchanged(model, unchanged, stacklevel=2):
-    if unchanged:
-        warnings.warn(f"The plan for model '{model.name}' checkpoints nothing: {unchanged}.", stacklevel=stacklevel)
+    result = _planned(model, segments, budget, batch_size, policy, input_shape)
+    result.warn_if_unchanged(model.name, stacklevel=2)
+    return result.plan
 
 
 def checkpoint_model(

@@ -140,7 +140,7 @@ def _clone_source(model, inputs, operation_fn, call_fn):
             key_of[key] = (layer.name, before)
             for original, new in zip(node.outputs, tree.flatten(outputs)):
                 values[tensor_key(original)] = new
-    outputs = tree.pack_sequence_as(fn._outputs_struct, [values[tensor_key(t)] for t in fn.outputs])
+    outputs = tree.pack_sequence_as(keras_compat.structures(fn)[1], [values[tensor_key(t)] for t in fn.outputs])
     return keras.Model(inputs, outputs, name=recipe.source.name), key_of
 
 
@@ -178,7 +178,7 @@ def _clone_for_keras(model, inputs, operation_fn, call_fn):
     except ValueError as e:
         raise _cannot_clone(model, f"the clone's layer calls differ from the source's ({e})") from e
     clone = checkpointed_model(source, graph, plan)
-    outputs = clone._outputs_struct
+    outputs = keras_compat.structures(clone)[1]
     object.__setattr__(tree.flatten(outputs)[0], _CLONE_ATTR, clone)
     return outputs
 
@@ -221,16 +221,14 @@ class CheckpointedModel(keras.Model):
                     "source model nor plan. Tip: build the plain model from these tensors with "
                     "`keras.Model(inputs, outputs)` and checkpoint it."
                 )
-            inputs, source, plan = clone._inputs_struct, clone._graphckpt_recipe.source, clone.plan
+            inputs, source, plan = keras_compat.structures(clone)[0], clone._graphckpt_recipe.source, clone.plan
         # Set first: the variable lists below read it, and Keras may list
         # variables while it builds the model.
         object.__setattr__(self, "_graphckpt_recipe", _Recipe(source, plan))
         super().__init__(inputs=inputs, outputs=outputs, name=name, **kwargs)
         # The source's dtype policy, not the global one now: `compile` wraps
-        # the optimizer for loss scaling by the model's policy. (Functional
-        # ignores `dtype=`; the public setter would quantize on a quantized
-        # policy, so set it as `Layer.__init__` does.)
-        self._dtype_policy = source.dtype_policy
+        # the optimizer for loss scaling by the model's policy.
+        keras_compat.set_dtype_policy(self, source.dtype_policy)
         if clone is not None:
             keras_compat.set_nodes_by_depth(self, keras_compat.nodes_by_depth(clone))  # the call order rewrite set
 

@@ -38,7 +38,7 @@ import math
 import keras
 import networkx as nx
 
-from graphckpt import errors, keras_rules, layers_inside, rules
+from graphckpt import errors, keras_compat, keras_rules, layers_inside, rules
 from graphckpt.graph import build_graph, functional_of
 from graphckpt.keras_rules import is_expensive
 from graphckpt.plan import (
@@ -169,7 +169,7 @@ def _rule(layer, ins, outs, node=None):
     found = keras_rules.rule_of_layer(layer, ins, outs)
     if found is not None:
         return found
-    if node is not None and layer._layers:
+    if node is not None and keras_compat.has_sublayers(layer):
         composite = layers_inside.composite_rule(layer, node, ins, _rule)
         if composite is not None:
             return composite

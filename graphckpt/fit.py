@@ -235,7 +235,7 @@ def _training_call(model, twin):
         # `_loss_ids`), so left with the segments they would be dropped.
         # `Functional.add_loss` is unimplemented; the base one records it.
         for seg in twin.segments:
-            losses = seg._get_own_losses()
+            losses = keras_compat.own_losses(seg)
             keras_compat.clear_losses(seg)
             if losses:
                 keras.layers.Layer.add_loss(model, losses)

@@ -158,7 +158,7 @@ def _runs_user_code(layer):
     see into: a Lambda, or a layer or op defined outside Keras."""
     import keras
 
-    inner = layer._flatten_layers() if isinstance(layer, keras.layers.Layer) else [layer]
+    inner = keras_compat.sublayers(layer) if isinstance(layer, keras.layers.Layer) else [layer]
     return any(isinstance(op, keras.layers.Lambda) or not type(op).__module__.startswith("keras.") for op in inner)
 
 
@@ -222,7 +222,7 @@ def _flattenable(node, consumed):
     ):
         return None
     try:
-        tree.assert_same_structure(args[0], inner._inputs_struct)
+        tree.assert_same_structure(args[0], keras_compat.structures(inner)[0])
     except (TypeError, ValueError):
         if len(outer) != 1:
             return None

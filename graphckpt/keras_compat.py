@@ -4,8 +4,15 @@ Keras has no public API for walking or rewriting a functional graph, so
 graphckpt reads some internals; this module is the only place that does,
 each function saying what it reads and the public alternative where one
 exists. The tested versions are the range in pyproject.toml (`keras`), and
-`make test-keras-versions` runs the suite against the oldest and newest
-of it. Keras is imported lazily: `import graphckpt` stays cheap.
+`make test` runs the backend tests against the oldest and newest of it.
+Keras is imported lazily: `import graphckpt` stays cheap.
+
+Two private Keras methods are overridden where graphckpt's classes are
+defined, since an override cannot live here: `Functional._run_through_graph`
+(`CheckpointedModel`, so that `keras.models.clone_model` clones through the
+plan) and `KerasSaveable._obj_type` (`graphckpt.weights`, the saved kind of
+a checkpointed model's weights file). `tests/test_structure.py` checks that
+no other module reads a private Keras name.
 """
 
 
@@ -139,3 +146,76 @@ def tf_eager_internals():
     from tensorflow.python.eager import context, record
 
     return context, record
+
+
+def structures(fn):
+    """(inputs, outputs) of a Functional in the structure it was built with
+    (`Functional._inputs_struct` / `_outputs_struct`: a dict, a list or one
+    tensor). Public alternative: `fn.inputs` / `fn.outputs`, flattened."""
+    return fn._inputs_struct, fn._outputs_struct
+
+
+def sublayers(layer, include_self=True):
+    """`layer` (unless `include_self` is false) and every layer inside it,
+    recursively (`Layer._flatten_layers`). Public alternative:
+    `Model.layers`, one level and models only."""
+    return list(layer._flatten_layers(include_self=include_self))
+
+
+def has_sublayers(layer):
+    """Whether `layer` tracks layers of its own (`Layer._layers`)."""
+    return bool(layer._layers)
+
+
+def set_dtype_policy(layer, policy):
+    """Sets a layer's (or a Functional's) dtype policy as `Layer.__init__`
+    does (`_dtype_policy`): Functional ignores `dtype=`, and the public
+    setter would quantize on a quantized policy."""
+    layer._dtype_policy = policy
+
+
+def own_losses(layer):
+    """The losses `layer` itself added in its last call
+    (`Layer._get_own_losses`), not its sublayers'."""
+    return layer._get_own_losses()
+
+
+def logits_of(tensor):
+    """The logits Keras's softmax and sigmoid attach to their output
+    (`_keras_logits`), from which crossentropy losses compute stably, or
+    None."""
+    return getattr(tensor, "_keras_logits", None)
+
+
+def attach_logits(tensor, logits):
+    """Attaches `logits` to `tensor` as Keras's softmax and sigmoid do,
+    where the backend's tensors take attributes."""
+    try:
+        tensor._keras_logits = logits
+    except AttributeError:  # a C-type tensor, as Keras itself allows
+        pass
+
+
+def walk_saveable(obj):
+    """`saving_lib._walk_saveable`: the (name, value) pairs Keras saves
+    for `obj` besides its weights."""
+    saving_lib, _ = saving_modules()
+    return saving_lib._walk_saveable(obj)
+
+
+def saveable_type(obj):
+    """`KerasSaveable._obj_type()`: the kind Keras records for a saved
+    object ("Model", "Layer", ...)."""
+    return obj._obj_type()
+
+
+def jax_state(model):
+    """`Model._get_jax_state`: every variable value the JAX trainer passes
+    to its compiled `train_step`, as that trainer collects them."""
+    return model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+        purge_model_variables=False,
+    )

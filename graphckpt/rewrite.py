@@ -121,10 +121,8 @@ def _segment_model(graph, seg, name, policy):
     _replay(graph, seg.nodes, values, calls)
     outputs = [values[key] for key in seg.outputs]
     sub = keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model")
-    # A model's policy sets the autocast scope its layers run in; Functional
-    # ignores `dtype=`, and the public setter would quantize on a quantized
-    # policy, so set it as `Layer.__init__` does.
-    sub._dtype_policy = policy
+    # A model's policy sets the autocast scope its layers run in.
+    keras_compat.set_dtype_policy(sub, policy)
     # The inputs' declared shapes are what the source graph's symbolic
     # tensors say; a layer may return another (keras_hub's SigLIP embedding
     # declares 17 tokens and returns 16). The source model never checks a
@@ -157,7 +155,7 @@ def _source_names(model, graph):
     names = {t.name for t in functional_of(model).inputs}
     for _, data in graph.nodes(data=True):
         layer = data["layer"]
-        inner = layer._flatten_layers() if isinstance(layer, keras.layers.Layer) else [layer]
+        inner = keras_compat.sublayers(layer) if isinstance(layer, keras.layers.Layer) else [layer]
         names.update(op.name for op in inner)
     return names
 
@@ -236,9 +234,10 @@ def rewrite(model, graph, plan, model_class):
                 out = named(out)
                 calls.append(keras_compat.inbound_nodes(named)[-1])
             outputs.append(out)
-        outputs = tree.pack_sequence_as(fn._outputs_struct, outputs)
+        inputs_struct, outputs_struct = keras_compat.structures(fn)
+        outputs = tree.pack_sequence_as(outputs_struct, outputs)
         checkpointed = model_class(
-            inputs=fn._inputs_struct,
+            inputs=inputs_struct,
             outputs=outputs,
             source=model,
             plan=plan,

@@ -84,15 +84,6 @@ def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
 
 
-def _attach_logits(output, logits):
-    """Attaches `logits` to `output` as Keras's softmax and sigmoid do
-    (`_keras_logits`), where the backend's tensors take attributes."""
-    try:
-        output._keras_logits = logits
-    except AttributeError:  # a C-type tensor, as Keras itself allows
-        pass
-
-
 def _global_seed_state():
     """The state of Keras's global seed generator, if one exists: layers that
     call `keras.random.*` with `seed=None` draw from it."""
@@ -218,7 +209,7 @@ class Segment(keras.layers.Layer):
                 outs = model(xs, training=True, mask=masks)
                 outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
                 out_masks = [keras_compat.backend_module().get_keras_mask(o) for o in outs]
-                out_logits = [getattr(o, "_keras_logits", None) for o in outs]
+                out_logits = [keras_compat.logits_of(o) for o in outs]
                 updated = [
                     i
                     for i, v in enumerate(state)
@@ -257,7 +248,7 @@ class Segment(keras.layers.Layer):
             outs[i] = x
         rest = results[n_out:]
         for i, x in zip(with_logits, rest[: len(with_logits)]):
-            _attach_logits(outs[i], x)
+            keras_compat.attach_logits(outs[i], x)
         rest = rest[len(with_logits) :]
         for i, m in zip(masked, rest[: len(masked)]):
             keras_compat.backend_module().set_keras_mask(outs[i], ops.cast(m, "bool"))

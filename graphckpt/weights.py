@@ -37,7 +37,7 @@ import numpy as np
 from graphckpt import errors, keras_compat
 
 # Keras has no public spelling of the saveable protocol and its walk.
-saving_lib, KerasSaveable = keras_compat.saving_modules()
+_, KerasSaveable = keras_compat.saving_modules()
 
 __all__ = ["SourceLayout", "save_weights", "load_weights"]
 
@@ -64,7 +64,7 @@ def _own_state_names(model):
     to it; not `layers` nor the containers of its layers."""
     graph = {id(op) for op in model.operations}
     names = []
-    for name, value in saving_lib._walk_saveable(model):
+    for name, value in keras_compat.walk_saveable(model):
         if name == "layers" or name in names or _holds(value, graph):
             continue
         if isinstance(value, (KerasSaveable, list, tuple, dict)):
@@ -90,7 +90,7 @@ class SourceLayout(KerasSaveable):
         self.__dict__.update(_model=model, _state_names=_own_state_names(model))
 
     def _obj_type(self):
-        return self._model._graphckpt_recipe.source._obj_type()
+        return keras_compat.saveable_type(self._model._graphckpt_recipe.source)
 
     @property
     def layers(self):

@@ -152,6 +152,22 @@ def test_plan_and_estimate_agree_at_the_real_shapes():
     assert graphckpt.estimate(model, blind, input_shape=(8, 128)).peak_bytes >= p.estimated_peak_bytes
 
 
+def test_planned_gives_the_plan_with_the_graphs_it_was_made_on():
+    """The inspection API the CLI uses: the same plan as `plan`, the model's
+    own graph (unknown dimensions kept) and the graph at the real shapes."""
+    from graphckpt.api import planned
+
+    model = text_model(blocks=4)
+    result = planned(model, input_shape=(8, 128))
+    assert result.plan == graphckpt.plan(model, input_shape=(8, 128))
+    assert result.unchanged is None
+    hidden = [k for k, info in result.graph.graph["tensors"].items() if len(info.shape) == 3]
+    assert hidden and all(result.graph.graph["tensors"][k].shape[1] is None for k in hidden)
+    assert all(result.sized_graph.graph["tensors"][k].shape[:2] == (8, 128) for k in hidden)
+    with pytest.warns(UserWarning, match="checkpoints nothing"):
+        planned(model, input_shape=(8, 128), budget="1TiB").warn_if_unchanged(model.name)
+
+
 def test_a_budget_in_bytes_takes_the_batch_from_input_shape():
     model = text_model()
     base = graphckpt.plan(model, input_shape=(8, 128)).baseline_peak_bytes

@@ -52,3 +52,73 @@ def test_no_import_cycle():
 def test_no_module_is_long():
     lengths = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     assert {p: n for p, n in lengths.items() if n > MAX_LINES} == {}
+
+
+def _private_uses(path):
+    """Private names of other graphckpt modules that `path` imports or reads
+    (`from graphckpt.x import _y`, `x._y` on an imported graphckpt module)."""
+    tree = ast.parse(path.read_text())
+    found, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("graphckpt"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{node.module}.{alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name for a in node.names if a.name == "graphckpt")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_modules_use_only_each_others_public_names():
+    uses = {str(p.relative_to(PACKAGE.parent)): _private_uses(p) for p in PACKAGE.rglob("*.py")}
+    assert {p: u for p, u in uses.items() if u} == {}
+
+
+def test_private_uses_are_found(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import graphckpt\nfrom graphckpt import api\nfrom graphckpt.graph import _x\napi._y(graphckpt._z)\n")
+    assert sorted(_private_uses(probe)) == ["api._y", "graphckpt._z", "graphckpt.graph._x"]
+
+
+# Private Keras names read outside keras_compat: graphckpt's own marks on
+# Keras objects, and the two overrides keras_compat's docstring names.
+_OWN_MARKS = ("_graphckpt",)
+_OVERRIDES = {"super()._run_through_graph"}
+_PRIVATE_MODULES = ("keras.src", "tensorflow.python", "jax._src", "torch._")
+
+
+def _private_keras_uses(path):
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue  # a class's own attributes
+            if node.attr.startswith(_OWN_MARKS) or ast.unparse(node) in _OVERRIDES:
+                continue
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(_PRIVATE_MODULES):
+            found.append(f"{node.lineno}: from {node.module}")
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if a.name.startswith(_PRIVATE_MODULES)]
+    return found
+
+
+def test_only_keras_compat_reads_private_keras_names():
+    uses = {
+        str(p.relative_to(PACKAGE.parent)): _private_keras_uses(p)
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "keras_compat.py"
+    }
+    assert {p: u for p, u in uses.items() if u} == {}
+    assert _private_keras_uses(PACKAGE / "keras_compat.py")  # the check finds them where they are

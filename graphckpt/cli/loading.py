@@ -119,6 +119,6 @@ def planned(model, planner_kwargs):
             graph, _ = sized_graph(build_graph(plain), planner_kwargs.get("input_shape"), planner_kwargs.get("batch_size"))
             return plain, graph, model.plan
         model = plain
-    _, graph, the_plan, unchanged = api._planned(model, **planner_kwargs)
-    api._warn_unchanged(model, unchanged)
-    return model, graph, the_plan
+    result = api.planned(model, **planner_kwargs)
+    result.warn_if_unchanged(model.name)
+    return model, result.sized_graph, result.plan

@@ -83,7 +83,7 @@ def import_keras():
     if "keras" not in sys.modules:
         with _native_stderr_filtered(_tf_log_level()):
             import keras  # noqa: F401  (graphckpt's import hook loads its API)
-    graphckpt._load_api()
+    graphckpt.load_api()
     return sys.modules["keras"]
 
 

@@ -11,6 +11,8 @@
   cannot be read in the same process).
 """
 
+from graphckpt import keras_compat
+
 __all__ = ["independent_peak"]
 
 
@@ -41,10 +43,7 @@ def _torch_profiler_peak(model, x, y):
 def _jax_compiled_temp(model, x, y):
     import jax
 
-    state = model._get_jax_state(
-        trainable_variables=True, non_trainable_variables=True, optimizer_variables=True, metrics_variables=True,
-        purge_model_variables=False,
-    )
+    state = keras_compat.jax_state(model)
     # Donated state, as the Keras trainer compiles it: otherwise XLA may place
     # temporaries in the buffers of the new weights, and temp sizes shrink.
     compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, (x, y, None)).compile()

@@ -165,7 +165,7 @@ def _name(node):
     return str(node)
 
 
-def _layer_nodes(graph):
+def layer_nodes(graph):
     return [n for n, d in graph.nodes(data=True) if d["kind"] != "input"]
 
 
@@ -192,7 +192,7 @@ def topological_order(graph):
     return tuple(order)
 
 
-def _consumers(graph):
+def tensor_consumers(graph):
     """tensor key -> list of consuming layer calls."""
     consumers = {}
     for _, v, data in graph.edges(data=True):
@@ -218,7 +218,7 @@ def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None)
     if len(remat) != len(boundaries):
         raise ValueError(f"`remat` needs one flag per segment ({len(boundaries)}). Received: {len(remat)} flags")
     bounds = list(boundaries) + [len(order)]
-    consumers = _consumers(graph)
+    consumers = tensor_consumers(graph)
     tensors = graph.graph["tensors"]
     model_outputs = set(graph.graph["outputs"])
     segment_of = {}
@@ -246,9 +246,9 @@ def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None)
 
 def validate_plan(graph, plan):
     """Raises `AssertionError` if `plan` breaks the module's contract."""
-    layer_nodes = set(_layer_nodes(graph))
+    calls = set(layer_nodes(graph))
     covered = [n for s in plan.segments for n in s.nodes]
-    assert sorted(covered, key=str) == sorted(layer_nodes, key=str), "cover"
+    assert sorted(covered, key=str) == sorted(calls, key=str), "cover"
     pos = {n: i for i, n in enumerate(covered)}
     for u, v in graph.edges:
         if u in pos:
@@ -256,7 +256,7 @@ def validate_plan(graph, plan):
     for chain in graph.graph.get("state_chains", ()):
         assert [pos[n] for n in chain] == sorted(pos[n] for n in chain), f"state order: {chain}"
     tensors = graph.graph["tensors"]
-    consumers = _consumers(graph)
+    consumers = tensor_consumers(graph)
     outputs = set(graph.graph["outputs"])
     for seg in plan.segments:
         inside = set(seg.nodes)

@@ -11,7 +11,7 @@ segment's peak in O(1). This module never imports Keras; it uses numpy.
 import dataclasses
 import functools
 
-from graphckpt.planner.data import _consumers, _layer_nodes, topological_order
+from graphckpt.planner.data import layer_nodes, tensor_consumers, topological_order
 
 __all__ = [
     "NodeCosts",
@@ -92,13 +92,13 @@ def graph_costs(graph):
     What `plan_segments` plans with when no estimate of the layers is at
     hand (`graphckpt.estimate.node_costs` knows more about each layer)."""
     tensors = graph.graph["tensors"]
-    layer_nodes = _layer_nodes(graph)
+    calls = layer_nodes(graph)
     return NodeCosts(
         tensor_bytes={k: info.nbytes for k, info in tensors.items()},
         saved=frozenset(tensors),
         internal={},
         workspace={},
-        compute={v: 1.0 for v in layer_nodes},
+        compute={v: 1.0 for v in calls},
         per_example=True,
     )
 
@@ -145,7 +145,7 @@ class MemoryModel:
 
         n = self.n
         pos = {v: i for i, v in enumerate(order)}
-        consumers = _consumers(graph)
+        consumers = tensor_consumers(graph)
         model_outputs = set(graph.graph["outputs"])
         # produced[p][last_use] bytes; first_use/last_use of tensors made before
         made = np.zeros((n + 1, n + 2))  # [producer position, last use]
