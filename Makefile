@@ -45,7 +45,7 @@ test: install lint $(OLDEST_DIR)/.installed
 	  echo "== KERAS_BACKEND=$$b: tests marked 'backends' =="; \
 	  KERAS_BACKEND=$$b $(PY) -m pytest -q -m "backends and not slow" || status=1; \
 	done; \
-	echo "== Keras $$(PYTHONPATH=$(OLDEST_DIR) $(PY) -c 'import keras; print(keras.__version__)'), tensorflow: tests marked 'backends' =="; \
+	echo "== Keras $$(PYTHONPATH=$(OLDEST_DIR) $(PY) -c 'from importlib.metadata import version; print(version("keras"))'), tensorflow: tests marked 'backends' =="; \
 	PYTHONPATH=$(OLDEST_DIR) KERAS_BACKEND=tensorflow $(PY) -m pytest -q -m "backends and not slow" \
 	  --ignore tests/test_keras_hub.py || status=1; \
 	exit $$status

@@ -81,23 +81,45 @@ def _attention(layer, ins, outs):
 
 
 def _dot_attention(layer, ins, outs):
+    """Attention (dot-product scores) and AdditiveAttention, whose scores
+    come from tanh(query + key) over every (t, s) pair and feature: that
+    T x S x dim tensor is kept (measured: `benchmarks/rule_probes.py`)."""
     q = elems(ins[0])
     t, s = ins[0].shape[1] or 1, ins[1].shape[1] if len(ins) > 1 and ins[1].shape[1] else 1
     scores = t * s
-    return LayerRule(all_indices(ins), frozenset(), 2 * scores * itemsize(ins[0]), 4.0 * scores * (q / t), True, "attention")
+    internal = 2 * scores * itemsize(ins[0])
+    if isinstance(layer, keras.layers.AdditiveAttention):
+        internal += scores * (ins[0].shape[-1] or 1) * itemsize(ins[0])
+    return LayerRule(all_indices(ins), frozenset(), internal, 4.0 * scores * (q / t), True, "attention")
 
 
-_RNN_BUFFERS = {"LSTM": 7, "GRU": 5, "SimpleRNN": 2, "ConvLSTM1D": 7, "ConvLSTM2D": 7, "ConvLSTM3D": 7}
+# Step-sized buffers kept per time step: each step's gates and states, as
+# TensorFlow's while loop keeps them for the backward pass (measured on
+# TensorFlow 2.21 with `benchmarks/rule_probes.py`: LSTM 9-11, GRU 10-11,
+# SimpleRNN 3-4, ConvLSTM 9-10 per step).
+_RNN_BUFFERS = {"LSTM": 10, "GRU": 10, "SimpleRNN": 4, "ConvLSTM1D": 10, "ConvLSTM2D": 10, "ConvLSTM3D": 10}
 
 
 def _rnn(layer, ins, outs):
+    """A recurrent layer over `steps` time steps; a step's buffers have the
+    size of one step of its output (units, or filters x the spatial
+    positions of a ConvLSTM)."""
     kind = next((k.__name__ for k in type(layer).__mro__ if k.__name__ in _RNN_BUFFERS), "SimpleRNN")
-    units = getattr(layer, "units", None) or getattr(getattr(layer, "cell", None), "units", 1)
     steps = ins[0].shape[1] or 1
-    per_step = _RNN_BUFFERS[kind] * units * itemsize(ins[0])
-    feat = ins[0].shape[-1] or 1
-    gates = {"LSTM": 4, "GRU": 3}.get(kind, 1)
-    flops = 2.0 * steps * gates * units * (feat + units)
+    out = outs[0].shape if outs else ins[0].shape
+    sequences = getattr(layer, "return_sequences", False) and len(out) > 2
+    cell = getattr(layer, "cell", None)
+    units = getattr(layer, "units", None) or getattr(layer, "filters", None) or getattr(cell, "units", None)
+    units = units or getattr(cell, "filters", None) or (out[-1] or 1)
+    # Not the output's last dimension: a Bidirectional passes its merged output.
+    spatial = math.prod(d or 1 for d in (out[2:-1] if sequences else out[1:-1]))
+    step_elems = units * spatial
+    per_step = _RNN_BUFFERS[kind] * step_elems * itemsize(ins[0])
+    gates = {"LSTM": 4, "GRU": 3}.get(kind, 4 if kind.startswith("ConvLSTM") else 1)
+    kernel = getattr(layer, "kernel_size", None) or getattr(getattr(layer, "cell", None), "kernel_size", None)
+    taps = math.prod(kernel) if kernel else 1
+    # Each output element of each gate: `taps` x (input channels + units) multiply-adds.
+    flops = 2.0 * steps * gates * step_elems * taps * ((ins[0].shape[-1] or 1) + units)
     return LayerRule(frozenset({0}), frozenset(), steps * per_step, flops, True, "rnn")
 
 

@@ -98,6 +98,34 @@ def test_attention_scores_grow_with_the_square_of_the_sequence():
     assert big.kept_bytes - 4 * (small.kept_bytes - 2.2 * 2 * 16 * 16 * F) == pytest.approx(2.2 * 2 * 64 * 64 * F, rel=0.01)
 
 
+def _kept_by(layer, shape, *args):
+    inp = keras.Input(shape)
+    model = keras.Model(inp, layer(inp, *args) if args else layer(inp))
+    calls = {c.node[0]: c for c in call_estimates(build_graph(model), 1)}
+    return calls[layer.name]
+
+
+def test_recurrent_layers_keep_buffers_of_one_output_step_per_step():
+    """10 step-sized buffers per LSTM step (measured: benchmarks/rule_probes.py);
+    a ConvLSTM's step is filters x its spatial positions, not `units`."""
+    lstm = _kept_by(layers.LSTM(8, return_sequences=True), (5, 3))
+    assert lstm.kept_bytes == 10 * 5 * 8 * F
+    conv = _kept_by(layers.ConvLSTM2D(4, 3, padding="same", return_sequences=True), (5, 6, 6, 2))
+    assert conv.kept_bytes == 10 * 5 * (6 * 6 * 4) * F
+    # A Bidirectional counts both directions' steps, each of its own units.
+    both = _kept_by(layers.Bidirectional(layers.LSTM(8, return_sequences=True)), (5, 3))
+    assert both.kept_bytes == 2 * lstm.kept_bytes
+
+
+def test_additive_attention_keeps_its_t_by_s_by_dim_scores():
+    q = keras.Input((6, 4))
+    v = keras.Input((10, 4))
+    add, dot = layers.AdditiveAttention(), layers.Attention()
+    model = keras.Model([q, v], [add([q, v]), dot([q, v])])
+    calls = {c.node[0]: c for c in call_estimates(build_graph(model), 1)}
+    assert calls[add.name].kept_bytes - calls[dot.name].kept_bytes == 6 * 10 * 4 * F
+
+
 def test_conv_flops_and_kept_input():
     conv, calls = one_call(layers.Conv2D(8, 3, padding="same", activation="relu"), (10, 10, 4))
     assert conv.flops == 2 * 10 * 10 * 8 * (3 * 3 * 4)
