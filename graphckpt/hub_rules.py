@@ -52,7 +52,7 @@ def register(module_name):
             _SCANNED.add(name)
             for _, cls in inspect.getmembers(module, inspect.isclass):
                 if cls.__module__ == name and _takes_grouped_heads(cls):
-                    rules.register_layer_rule(cls, _grouped_attention, expensive=True)
+                    rules.register_builtin_rule(cls, _grouped_attention, expensive=True)
     _SCANNED.add(module_name)  # a layers module too: scanned once
 
 
@@ -67,7 +67,7 @@ def _register_layers():
         module, name = path.rsplit(".", 1)
         cls = _class(_HUB_LAYERS + module, name)
         if cls is not None:
-            rules.register_layer_rule(cls, rule, expensive=expensive)
+            rules.register_builtin_rule(cls, rule, expensive=expensive)
 
 
 def _takes_grouped_heads(cls):

@@ -27,7 +27,7 @@ from graphckpt.rules import (
     is_float,
     itemsize,
     layer_norm_rule,
-    register_layer_rule,
+    register_builtin_rule,
     registered_rule,
     unknown_rule,
 )
@@ -223,7 +223,7 @@ if hasattr(keras.layers, "ReversibleEmbedding"):  # Keras 3.12 and later
     _KERAS_RULES[_reversible_embedding] = (("ReversibleEmbedding",), True)
 for _fn, (_names, _expensive) in _KERAS_RULES.items():
     for _name in _names:
-        register_layer_rule(getattr(keras.layers, _name), _fn, expensive=_expensive)
+        register_builtin_rule(getattr(keras.layers, _name), _fn, expensive=_expensive)
 
 
 def find_rule(layer_class):

@@ -104,6 +104,15 @@ def register_layer_rule(
     return rule
 
 
+def register_builtin_rule(layer_class, rule, expensive=False):
+    """Registers one of graphckpt's own rules, unless a rule for exactly
+    this class is registered already: the built-in rules of Keras's and
+    keras_hub's layers register when first needed, and must not replace a
+    rule the user registered before that."""
+    if layer_class not in _REGISTRY:
+        _REGISTRY[layer_class] = _Entry(rule, bool(expensive))
+
+
 def registered_rule(layer_class):
     """The `(rule, expensive)` registered for `layer_class` or its nearest
     base class in the MRO, or None. Keras's own rules are registered by

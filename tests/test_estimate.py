@@ -359,3 +359,34 @@ def test_a_subclass_rule_wins_over_its_base_class_rule():
         from graphckpt import rules
 
         del rules._REGISTRY[_DenseSubclass]
+
+
+_EARLY_RULES = """
+from graphckpt.rules import LayerRule, register_layer_rule
+import keras
+from keras_hub.src.layers.modeling.rms_normalization import RMSNormalization
+
+def mine(layer, inputs, outputs):
+    return LayerRule(name="mine")
+
+register_layer_rule(keras.layers.Dense, mine)
+register_layer_rule(RMSNormalization, mine)
+from graphckpt import keras_rules  # registers Keras's rules now
+
+for cls in (keras.layers.Dense, RMSNormalization):  # the second loads keras_hub's
+    assert keras_rules.find_rule(cls)[0] is mine, cls
+assert keras_rules.find_rule(keras.layers.Conv2D)[0] is not mine
+print("ok")
+"""
+
+
+def test_rules_registered_before_the_built_in_ones_load_are_kept():
+    """Keras's rules register when the estimator is first imported,
+    keras_hub's when its first layer is met: neither replaces a rule the
+    user registered earlier (a fresh process: here they are loaded)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("keras_hub")
+    run = subprocess.run([sys.executable, "-c", _EARLY_RULES], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
