@@ -57,7 +57,7 @@ CALLS = {
 
 def _count_spans():
     """A list that grows by one each time a memory model is built."""
-    from graphckpt import memory
+    from graphckpt.planner import memory
 
     built = []
     original = memory.MemoryModel.__init__

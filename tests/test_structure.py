@@ -122,3 +122,34 @@ def test_only_keras_compat_reads_private_keras_names():
     }
     assert {p: u for p, u in uses.items() if u} == {}
     assert _private_keras_uses(PACKAGE / "keras_compat.py")  # the check finds them where they are
+
+
+def _graphckpt_imports(path):
+    """(module, name) of each `from graphckpt... import name` in `path`,
+    function-level imports included."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("graphckpt"):
+            for alias in node.names:
+                yield node.module, alias.name
+
+
+def test_benchmarks_and_tests_import_what_the_package_has():
+    """A benchmark is run by hand, not by CI: after a refactor its imports
+    are the first thing to break (benchmarks/plan_time.py did)."""
+    import importlib
+
+    root = PACKAGE.parent
+    missing = []
+    for path in sorted((root / "benchmarks").glob("*.py")) + sorted((root / "tests").rglob("*.py")):
+        for module, name in _graphckpt_imports(path):
+            try:
+                found = importlib.import_module(module)
+            except ImportError as e:
+                missing.append(f"{path.name}: {module} ({e})")
+                continue
+            if not hasattr(found, name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    missing.append(f"{path.name}: {module}.{name}")
+    assert missing == []
