@@ -55,3 +55,14 @@ def test_makefile_targets_named_in_readme_exist():
     for target in set(re.findall(r"^make (\w[\w-]*)", readme, re.M)):
         assert re.search(rf"^{target}:", makefile, re.M), f"make {target} is not a Makefile target"
     assert "graphckpt demo" in makefile
+
+
+SOURCE_PATH = re.compile(r"\b((?:graphckpt|tests|benchmarks)/[\w/]+\.py)\b")
+
+
+@pytest.mark.parametrize("path", DOCS + sorted((ROOT / "benchmarks").glob("*.md")), ids=lambda p: p.name)
+def test_source_files_named_in_the_docs_exist(path):
+    """A doc that names `graphckpt/x.py` (or a test, a benchmark) names a
+    file that is there: modules move in refactors, the docs must follow."""
+    named = set(SOURCE_PATH.findall(path.read_text()))
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
