@@ -200,6 +200,19 @@ def _batch(spec, model, backend, device):
     return x, y
 
 
+def _finish(backend, model):
+    """Waits until the last step has really finished. JAX dispatches
+    asynchronously: the logs' host floats wait for the loss only, while the
+    step's weight and optimizer updates may still run (and the previous
+    step's buffers still be freed) when the next step's counter starts."""
+    if backend == "jax":
+        import jax
+
+        optimizer = getattr(model, "optimizer", None)
+        state = list(model.variables) + list(getattr(optimizer, "variables", []))
+        jax.block_until_ready([v.value for v in state])
+
+
 def _train(spec, model, x, y, counter):
     """Warm-up steps, then measured ones: (first step's time, peaks, the last
     resident bytes, wall times, CPU times)."""
@@ -212,9 +225,11 @@ def _train(spec, model, x, y, counter):
         model.train_on_batch(x, y)
     peaks, times, cpu = [], [], []
     for _ in range(spec["steps"]):
+        _finish(spec["backend"], model)
         resident = counter.start()
         c0, t0 = time.process_time(), time.perf_counter()
-        logs = model.train_on_batch(x, y, return_dict=True)  # host floats: a sync
+        logs = model.train_on_batch(x, y, return_dict=True)
+        _finish(spec["backend"], model)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         peaks.append(int(counter.peak() - resident))
