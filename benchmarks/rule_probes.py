@@ -32,7 +32,8 @@ COPIES = (2, 6)
 
 # Input shapes (without the batch) by kind.
 SHAPES = {
-    "flat": (512,),
+    "flat": (64, 128),  # elementwise layers: rank 3 keeps the carrier small
+    "vec": (512,),
     "seq": (32, 64),
     "img": (16, 16, 32),
     "vol": (8, 8, 8, 16),
@@ -51,7 +52,7 @@ def probes():
     from keras import layers as L
 
     p = {
-        "Dense": ("flat", lambda: L.Dense(512)),
+        "Dense": ("flat", lambda: L.Dense(128)),
         "EinsumDense": ("seq", lambda: L.EinsumDense("btd,de->bte", output_shape=(32, 64))),
         "Conv1D": ("seq", lambda: L.Conv1D(64, 3, padding="same")),
         "Conv2D": ("img", lambda: L.Conv2D(32, 3, padding="same")),
@@ -101,7 +102,7 @@ def probes():
         "Reshape": ("seq", lambda: L.Reshape((64, 32))),
         "Flatten": ("seq", lambda: L.Flatten()),
         "Permute": ("seq", lambda: L.Permute((2, 1))),
-        "RepeatVector": ("flat", lambda: L.RepeatVector(3)),
+        "RepeatVector": ("vec", lambda: L.RepeatVector(3)),
         "Identity": ("flat", lambda: L.Identity()),
         "ZeroPadding1D": ("seq", lambda: L.ZeroPadding1D(2)),
         "ZeroPadding2D": ("img", lambda: L.ZeroPadding2D(2)),
