@@ -66,3 +66,31 @@ def test_source_files_named_in_the_docs_exist(path):
     file that is there: modules move in refactors, the docs must follow."""
     named = set(SOURCE_PATH.findall(path.read_text()))
     assert sorted(p for p in named if not (ROOT / p).exists()) == []
+
+
+DOTTED = re.compile(r"`(graphckpt(?:\.[A-Za-z_]\w*)+)")
+
+
+def _resolves(dotted):
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            found = getattr(found, part, None)
+            if found is None:
+                return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_graphckpt_names_in_the_docs_exist(path):
+    """`graphckpt.remat.jax_remat` and the like, as the docs write them,
+    name something there (a refactor moved `graphckpt.segment._remat`)."""
+    named = set(DOTTED.findall(path.read_text()))
+    assert sorted(n for n in named if not _resolves(n)) == []
