@@ -217,6 +217,12 @@ class Segment(keras.layers.Layer):
                 ]
                 new_state = [ops.stop_gradient(scope.get_current_value(state[i])) for i in updated]
                 losses = list(scope.losses)
+                # The layers inside keep the ids of these losses (Keras's
+                # `_loss_ids`) until their next call clears them; by then
+                # the losses are freed and a new tensor may have the same
+                # id, which that clear would then drop from the scope of a
+                # later, unrelated call. Forget them now.
+                keras_compat.clear_losses(model)
             found = (
                 len(outs),
                 tuple(i for i, m in enumerate(out_masks) if m is not None),
@@ -255,8 +261,15 @@ class Segment(keras.layers.Layer):
         rest = rest[len(masked) :]
         for i, value in zip(updated, rest[: len(updated)]):
             state[i].assign(value)
-        for loss in rest[len(updated) :]:
+        losses = rest[len(updated) :]
+        for loss in losses:
             self.add_loss(loss)
+        # Keras forgets a layer's loss ids only at its next call, when it
+        # also drops every loss of the current scope whose id is among
+        # them. Holding the losses keeps those ids from being reused by
+        # another layer's new loss in the meantime (a dropped loss: a CI
+        # run on JAX lost one).
+        self.__dict__["_graphckpt_losses"] = tuple(losses)
         return outs
 
     def compute_output_spec(self, inputs, training=None, mask=None):

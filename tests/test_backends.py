@@ -153,6 +153,32 @@ def test_layer_losses_are_kept(compiled):
     assert len(ours) == 6 + 6 + 1  # kernel l2, activity l1, add_loss
 
 
+def test_no_stale_loss_ids_are_left_to_drop_a_later_loss():
+    """Keras drops, at a layer's next call, every loss of the current scope
+    whose id is among the ids the layer kept from its last call. Ids of
+    freed losses get reused, so a stale id can drop another layer's new
+    loss (a JAX CI run lost one). After a call, the layers inside the
+    segments keep no loss ids, and a segment's ids are those of losses it
+    still holds."""
+    inp = keras.Input((8,))
+    x = inp
+    for i in range(6):
+        x = layers.Dense(8, activation="tanh", activity_regularizer="l1")(x)
+        if i == 3:
+            x = _AddsLoss()(x)
+    model = keras.Model(inp, layers.Dense(1)(x))
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    x = np.ones((2, 8), "float32")
+    trainable = [v.value for v in ck.trainable_variables]
+    non_trainable = [v.value for v in ck.non_trainable_variables]
+    _, _, losses = ck.stateless_call(trainable, non_trainable, x, training=True, return_losses=True)
+    assert len(losses) == 6 + 1
+    for seg in _segments(ck):
+        inside = [l for l in seg.model._flatten_layers(include_self=True) if l._loss_ids]
+        assert inside == [], [l.name for l in inside]
+        assert seg._loss_ids == {id(loss) for loss in seg._graphckpt_losses}
+
+
 @MODES
 def test_masks_cross_segment_boundaries(compiled):
     model = models.masked_lstm()
