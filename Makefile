@@ -32,6 +32,8 @@ OTHER_BACKENDS ?= jax torch
 # the newest only).
 KERAS_OLDEST ?= 3.15.0
 OLDEST_DIR := .keras-$(KERAS_OLDEST)
+OLDEST_TESTS = PYTHONPATH=$(OLDEST_DIR) KERAS_BACKEND=tensorflow $(PY) -m pytest -q -m "backends and not slow" \
+	--ignore tests/test_keras_hub.py
 
 $(OLDEST_DIR)/.installed: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps --target $(OLDEST_DIR) keras==$(KERAS_OLDEST)
@@ -46,8 +48,7 @@ test: install lint $(OLDEST_DIR)/.installed
 	  KERAS_BACKEND=$$b $(PY) -m pytest -q -m "backends and not slow" || status=1; \
 	done; \
 	echo "== Keras $$(PYTHONPATH=$(OLDEST_DIR) $(PY) -c 'from importlib.metadata import version; print(version("keras"))'), tensorflow: tests marked 'backends' =="; \
-	PYTHONPATH=$(OLDEST_DIR) KERAS_BACKEND=tensorflow $(PY) -m pytest -q -m "backends and not slow" \
-	  --ignore tests/test_keras_hub.py || status=1; \
+	$(OLDEST_TESTS) || status=1; \
 	exit $$status
 
 # ruff, configured in pyproject.toml (pinned in constraints-ci.txt).
@@ -59,7 +60,7 @@ test-slow: install
 
 # Only the two Keras runs of `make test`: the oldest, then the newest.
 test-keras-versions: $(OLDEST_DIR)/.installed
-	PYTHONPATH=$(OLDEST_DIR) KERAS_BACKEND=tensorflow $(PY) -m pytest -q -m "backends and not slow" --ignore tests/test_keras_hub.py
+	$(OLDEST_TESTS)
 	KERAS_BACKEND=tensorflow $(PY) -m pytest -q -m "backends and not slow"
 
 bench: install

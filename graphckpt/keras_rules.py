@@ -109,14 +109,14 @@ def _rnn(layer, ins, outs):
     out = outs[0].shape if outs else ins[0].shape
     sequences = getattr(layer, "return_sequences", False) and len(out) > 2
     cell = getattr(layer, "cell", None)
-    units = getattr(layer, "units", None) or getattr(layer, "filters", None) or getattr(cell, "units", None)
-    units = units or getattr(cell, "filters", None) or (out[-1] or 1)
+    sizes = (getattr(obj, name, None) for obj in (layer, cell) for name in ("units", "filters"))
+    units = next((size for size in sizes if size), out[-1] or 1)
     # Not the output's last dimension: a Bidirectional passes its merged output.
     spatial = math.prod(d or 1 for d in (out[2:-1] if sequences else out[1:-1]))
     step_elems = units * spatial
     per_step = _RNN_BUFFERS[kind] * step_elems * itemsize(ins[0])
     gates = {"LSTM": 4, "GRU": 3}.get(kind, 4 if kind.startswith("ConvLSTM") else 1)
-    kernel = getattr(layer, "kernel_size", None) or getattr(getattr(layer, "cell", None), "kernel_size", None)
+    kernel = getattr(layer, "kernel_size", None) or getattr(cell, "kernel_size", None)
     taps = math.prod(kernel) if kernel else 1
     # Each output element of each gate: `taps` x (input channels + units) multiply-adds.
     flops = 2.0 * steps * gates * step_elems * taps * ((ins[0].shape[-1] or 1) + units)
