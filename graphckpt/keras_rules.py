@@ -69,6 +69,17 @@ def _matmul(layer, ins, outs):
     return LayerRule(all_indices(ins), saved_out, internal, _kernel_flops(layer, outs, ins), True, "matmul" + suffix)
 
 
+def _separable(layer, ins, outs):
+    """A depthwise then a pointwise convolution: the input and the
+    depthwise output (read by the pointwise kernel's gradient) are kept."""
+    rule = _matmul(layer, ins, outs)
+    if not ins or not outs:
+        return rule
+    positions = elems(outs[0]) / (outs[0].shape[-1] or 1)
+    depthwise = positions * (ins[0].shape[-1] or 1) * (getattr(layer, "depth_multiplier", 1) or 1)
+    return dataclasses.replace(rule, internal=rule.internal + depthwise * itemsize(outs[0]))
+
+
 def _attention(layer, ins, outs):
     """MultiHeadAttention (and subclasses: keras_hub's cached attention),
     GroupQueryAttention (fewer key/value heads than query heads)."""
@@ -156,6 +167,14 @@ def _batch_norm(layer, ins, outs):
     return LayerRule(all_indices(ins), frozenset(), 0.0, 5.0 * sum(elems(o) for o in outs), name="batch norm")
 
 
+def _norm_statistics(layer, ins, outs):
+    """Group and unit normalization: the input and per-group or
+    per-position statistics (TensorFlow's gradient recomputes the rest)."""
+    out_elems = sum(elems(o) for o in outs)
+    stats = out_elems / (outs[0].shape[-1] or 1) if outs else 0
+    return LayerRule(all_indices(ins), frozenset(), stats * 4, 6.0 * out_elems, name="norm statistics")
+
+
 def _saves_output(layer, ins, outs):
     return LayerRule(frozenset(), all_indices(outs), 0.0, sum(elems(o) for o in outs), name=type(layer).__name__.lower())
 
@@ -182,6 +201,35 @@ def _saves_inputs(layer, ins, outs):
     return LayerRule(all_indices(ins), frozenset(), 0.0, sum(elems(o) for o in outs), name="saves inputs")
 
 
+def _max_min(layer, ins, outs):
+    """Maximum/Minimum of two or more inputs: what TensorFlow's gradient
+    reads, one input and a one-byte selection mask per further input."""
+    out_elems = sum(elems(o) for o in outs)
+    masks = max(len(ins) - 1, 1) * out_elems
+    return LayerRule(frozenset({0}) if ins else frozenset(), frozenset(), masks, out_elems, name="max/min")
+
+
+def _prelu(layer, ins, outs):
+    """relu(x) - alpha * relu(-x): both relu outputs are kept."""
+    out_bytes = sum(o.nbytes for o in outs)
+    return LayerRule(internal=2 * out_bytes, flops=4.0 * sum(elems(o) for o in outs), name="prelu")
+
+
+def _resizing(layer, ins, outs):
+    """Bilinear and the other smooth interpolations read the input image in
+    their gradient; nearest-neighbour needs only its shape."""
+    if getattr(layer, "interpolation", "bilinear") == "nearest":
+        return free_rule(layer, ins, outs)
+    return _saves_inputs(layer, ins, outs)
+
+
+def _activity_regularization(layer, ins, outs):
+    """The l1 penalty's gradient reads sign(x), the l2 penalty's x."""
+    if getattr(layer, "l1", 0) or getattr(layer, "l2", 0):
+        return _saves_inputs(layer, ins, outs)
+    return free_rule(layer, ins, outs)
+
+
 def _max_pooling(layer, ins, outs):
     return LayerRule(all_indices(ins), all_indices(outs), 0.0, sum(elems(i) for i in ins), name="max pooling")
 
@@ -189,9 +237,10 @@ def _max_pooling(layer, ins, outs):
 _KERAS_RULES = {
     _matmul: (
         ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose")
-        + ("Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D"),
+        + ("Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D"),
         True,
     ),
+    _separable: (("SeparableConv1D", "SeparableConv2D"), True),
     _attention: (("MultiHeadAttention", "GroupQueryAttention"), True),
     _dot_attention: (("Attention", "AdditiveAttention"), True),
     _rnn: (tuple(_RNN_BUFFERS), True),
@@ -200,7 +249,8 @@ _KERAS_RULES = {
     _dropout: (("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "AlphaDropout"), False),
     _gaussian_dropout: (("GaussianDropout",), False),
     _batch_norm: (("BatchNormalization",), False),
-    layer_norm_rule: (("LayerNormalization", "GroupNormalization", "UnitNormalization", "RMSNormalization"), False),
+    layer_norm_rule: (("LayerNormalization", "RMSNormalization"), False),
+    _norm_statistics: (("GroupNormalization", "UnitNormalization"), False),
     _saves_output: (("ReLU", "ELU", "Softmax"), False),
     _activation_layer: (("Activation",), False),
     free_rule: (
@@ -208,11 +258,15 @@ _KERAS_RULES = {
         + ("RepeatVector", "Identity", "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D")
         + ("Cropping2D", "Cropping3D", "UpSampling1D", "UpSampling2D", "UpSampling3D", "AveragePooling1D")
         + ("AveragePooling2D", "AveragePooling3D", "GlobalAveragePooling1D", "GlobalAveragePooling2D")
-        + ("GlobalAveragePooling3D", "GaussianNoise", "Rescaling", "Resizing", "CenterCrop", "Embedding")
-        + ("Masking", "ActivityRegularization"),
+        + ("GlobalAveragePooling3D", "GaussianNoise", "Rescaling", "CenterCrop", "Embedding")
+        + ("Masking",),
         False,
     ),
-    _saves_inputs: (("Multiply", "Maximum", "Minimum", "Dot", "PReLU", "LeakyReLU", "Normalization"), False),
+    _saves_inputs: (("Multiply", "Dot", "LeakyReLU", "Normalization"), False),
+    _max_min: (("Maximum", "Minimum"), False),
+    _prelu: (("PReLU",), False),
+    _resizing: (("Resizing",), False),
+    _activity_regularization: (("ActivityRegularization",), False),
     _max_pooling: (
         ("MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "GlobalMaxPooling1D", "GlobalMaxPooling2D")
         + ("GlobalMaxPooling3D",),
