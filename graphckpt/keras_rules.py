@@ -149,7 +149,8 @@ def _dropout(layer, ins, outs):
     if not getattr(layer, "rate", 0):
         return LayerRule(name="dropout off")
     if isinstance(layer, keras.layers.AlphaDropout):
-        return LayerRule(internal=out_bytes, flops=3.0 * out_elems, name="alpha dropout")
+        # x * mask + offset: TensorFlow's Mul gradient reads both operands.
+        return LayerRule(all_indices(ins), internal=out_bytes, flops=3.0 * out_elems, name="alpha dropout")
     mask = out_elems
     spatial = (keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D, keras.layers.SpatialDropout3D)
     if isinstance(layer, spatial) and outs and len(outs[0].shape) > 2:
@@ -160,7 +161,16 @@ def _dropout(layer, ins, outs):
 def _gaussian_dropout(layer, ins, outs):
     out_bytes = sum(o.nbytes for o in outs)
     rate = getattr(layer, "rate", 0)
-    return LayerRule(internal=out_bytes if rate else 0.0, flops=2.0 * sum(elems(o) for o in outs), name="dropout")
+    if not rate:
+        return LayerRule(name="dropout off")
+    # x * noise: TensorFlow's Mul gradient reads both operands.
+    return LayerRule(all_indices(ins), internal=out_bytes, flops=2.0 * sum(elems(o) for o in outs), name="dropout")
+
+
+def _average(layer, ins, outs):
+    """The sum of the inputs over their count: the division's gradient
+    reads the sum (TensorFlow)."""
+    return LayerRule(internal=sum(o.nbytes for o in outs), flops=len(ins) * sum(elems(o) for o in outs), name="average")
 
 
 def _batch_norm(layer, ins, outs):
@@ -248,13 +258,14 @@ _KERAS_RULES = {
     _time_distributed: (("TimeDistributed",), False),
     _dropout: (("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "AlphaDropout"), False),
     _gaussian_dropout: (("GaussianDropout",), False),
+    _average: (("Average",), False),
     _batch_norm: (("BatchNormalization",), False),
     layer_norm_rule: (("LayerNormalization", "RMSNormalization"), False),
     _norm_statistics: (("GroupNormalization", "UnitNormalization"), False),
     _saves_output: (("ReLU", "ELU", "Softmax"), False),
     _activation_layer: (("Activation",), False),
     free_rule: (
-        ("InputLayer", "Add", "Subtract", "Average", "Concatenate", "Reshape", "Flatten", "Permute")
+        ("InputLayer", "Add", "Subtract", "Concatenate", "Reshape", "Flatten", "Permute")
         + ("RepeatVector", "Identity", "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D")
         + ("Cropping2D", "Cropping3D", "UpSampling1D", "UpSampling2D", "UpSampling3D", "AveragePooling1D")
         + ("AveragePooling2D", "AveragePooling3D", "GlobalAveragePooling1D", "GlobalAveragePooling2D")
