@@ -3,7 +3,10 @@ at batch 256 to 512; graphckpt's default plan must reach a peak
 training-step memory at or below x0.35 of the baseline's, at a step time at
 or below x1.40.
 
-    .venv/bin/python benchmarks/acceptance_dense64.py [--batch 512] [--repeats 5]
+    .venv/bin/python benchmarks/acceptance_dense64.py [--batch 512] [--repeats 5] [--jit] [--counter rss]
+
+`--jit` compiles the train step with XLA (`jit_compile=True`; issue 14's
+target there is x0.30); `--counter` picks the memory counter (`graphckpt.measure`).
 
 Baseline and checkpointed model alternate, each run in a fresh process
 (`graphckpt.measure.compare`); ratios are medians of the paired ratios.
@@ -29,6 +32,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--jit", action="store_true", help="jit_compile=True (XLA)")
+    p.add_argument("--counter", default="auto", help="the memory counter: auto, rss or allocator")
     args = p.parse_args(argv)
     c = compare(
         os.path.join(HERE, "families.py") + ":dense_chain",
@@ -37,10 +42,14 @@ def main(argv=None):
         repeats=args.repeats,
         steps=args.steps,
         warmup=2,
+        jit_compile=args.jit,
+        counter=args.counter,
     )
     base, ck = c.baseline, c.candidate
     cpu = statistics.median(k.step_cpu_s / b.step_cpu_s for b, k in zip(base, ck))
-    print(f"64 x Dense(1024, tanh), batch {args.batch}, {args.repeats} alternating runs each, {base[0].device}")
+    xla = ", XLA" if args.jit else ""
+    print(f"64 x Dense(1024, tanh), batch {args.batch}{xla}, {args.repeats} alternating runs each, {base[0].device}, "
+          f"memory: {base[0].memory_method}")
     for name, ms in (("baseline", base), ("graphckpt", ck)):
         peaks = ", ".join(format_bytes(m.peak_bytes) for m in ms)
         times = ", ".join(f"{m.step_time_s:.2f}" for m in ms)

@@ -178,11 +178,11 @@ def _batch_norm(layer, ins, outs):
 
 
 def _norm_statistics(layer, ins, outs):
-    """Group and unit normalization: the input and per-group or
-    per-position statistics (TensorFlow's gradient recomputes the rest)."""
+    """Group and unit normalization: the input and its statistics, at most
+    one value per position (TensorFlow's gradient recomputes the rest)."""
     out_elems = sum(elems(o) for o in outs)
-    stats = out_elems / (outs[0].shape[-1] or 1) if outs else 0
-    return LayerRule(all_indices(ins), frozenset(), stats * 4, 6.0 * out_elems, name="norm statistics")
+    stats = out_elems / (outs[0].shape[-1] or 1) * itemsize(outs[0]) if outs else 0
+    return LayerRule(all_indices(ins), frozenset(), stats, 6.0 * out_elems, name="norm statistics")
 
 
 def _saves_output(layer, ins, outs):
