@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import json
 import os
+import random
 
 import networkx as nx
 
@@ -179,3 +180,35 @@ def read_case(path):
 
 def case_paths():
     return sorted(os.path.join(CASES_DIR, f) for f in os.listdir(CASES_DIR) if f.endswith(".json.gz"))
+
+
+def random_graph(seed, n):
+    """A random DAG in graph.py's schema (one tensor per call, 1-3 inputs,
+    a side output sometimes), with random costs; unit compute on even seeds
+    so that many plans tie."""
+    rnd = random.Random(seed)
+    g = nx.DiGraph()
+    g.add_node("x", kind="input", position=0)
+    names = [f"n{i}" for i in range(n)]
+    for i, v in enumerate(names):
+        g.add_node(v, kind="layer", position=i + 1)
+        earlier = ["x"] + names[:i]
+        preds = {earlier[-1]} | {rnd.choice(earlier) for _ in range(rnd.choice([0, 0, 1, 2]))}
+        for u in sorted(preds):
+            g.add_edge(u, v, tensors=((u, 0, 0),))
+    g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None, 1), "float32", 4) for v in ["x"] + names}
+    g.graph["inputs"] = [("x", 0, 0)]
+    outputs = [names[-1]] + ([rnd.choice(names[:-1])] if rnd.random() < 0.3 else [])
+    g.graph["outputs"] = [(v, 0, 0) for v in outputs]
+    g.graph["state_chains"] = []
+    keys = list(g.graph["tensors"])
+    costs = NodeCosts(
+        tensor_bytes={k: rnd.choice([1, 2, 5, 40, 300]) for k in keys},
+        saved=frozenset(k for k in keys if rnd.random() < 0.7),
+        internal={v: rnd.choice([0, 0, 3, 80]) for v in names},
+        workspace={v: rnd.choice([0, 10, 50]) for v in names},
+        compute={v: 1.0 if seed % 2 == 0 else rnd.choice([1.0, 2.5, 1e6, 3.3e9]) for v in names},
+        fixed=rnd.choice([0, 7]),
+    )
+    keep = [v for v in names if rnd.random() < 0.15]
+    return g, costs, keep

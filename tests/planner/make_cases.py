@@ -17,7 +17,6 @@ planner):
 
 import argparse
 import os
-import random
 import sys
 import time
 
@@ -27,7 +26,7 @@ sys.setrecursionlimit(10000)  # Keras walks a 2000-call chain recursively
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from graphckpt.graph import TensorInfo  # noqa: E402
-from graphckpt.plan import NodeCosts, baseline_peak, graph_costs, smallest_peak, topological_order  # noqa: E402
+from graphckpt.plan import baseline_peak, graph_costs, smallest_peak, topological_order  # noqa: E402
 from tests.planner import casefile  # noqa: E402
 
 FRACTIONS = (0.25, 0.4, 0.5, 0.6, 0.8, 0.95)
@@ -71,38 +70,6 @@ def _large_cases():
         "nasnetlarge": (lambda: keras.applications.NASNetLarge(weights=None), None),
         "dense_chain_2000": (lambda: families.dense_chain(depth=2000, width=64), 32),
     }
-
-
-def _random_graph(seed, n):
-    """A random DAG in graph.py's schema (one tensor per call, 1-3 inputs,
-    a side output sometimes), with random costs; unit compute on even seeds
-    so that many plans tie."""
-    rnd = random.Random(seed)
-    g = nx.DiGraph()
-    g.add_node("x", kind="input", position=0)
-    names = [f"n{i}" for i in range(n)]
-    for i, v in enumerate(names):
-        g.add_node(v, kind="layer", position=i + 1)
-        earlier = ["x"] + names[:i]
-        preds = {earlier[-1]} | {rnd.choice(earlier) for _ in range(rnd.choice([0, 0, 1, 2]))}
-        for u in sorted(preds):
-            g.add_edge(u, v, tensors=((u, 0, 0),))
-    g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None, 1), "float32", 4) for v in ["x"] + names}
-    g.graph["inputs"] = [("x", 0, 0)]
-    outputs = [names[-1]] + ([rnd.choice(names[:-1])] if rnd.random() < 0.3 else [])
-    g.graph["outputs"] = [(v, 0, 0) for v in outputs]
-    g.graph["state_chains"] = []
-    keys = list(g.graph["tensors"])
-    costs = NodeCosts(
-        tensor_bytes={k: rnd.choice([1, 2, 5, 40, 300]) for k in keys},
-        saved=frozenset(k for k in keys if rnd.random() < 0.7),
-        internal={v: rnd.choice([0, 0, 3, 80]) for v in names},
-        workspace={v: rnd.choice([0, 10, 50]) for v in names},
-        compute={v: 1.0 if seed % 2 == 0 else rnd.choice([1.0, 2.5, 1e6, 3.3e9]) for v in names},
-        fixed=rnd.choice([0, 7]),
-    )
-    keep = [v for v in names if rnd.random() < 0.15]
-    return g, costs, keep
 
 
 def _queries(graph, costs, keep, large=False):
@@ -160,7 +127,7 @@ def main(argv=None):
     randoms = {f"random_{seed}": seed for seed in range(12)}
     for name, seed in randoms.items():
         if not wanted or name in wanted:
-            g, costs, keep = _random_graph(seed, 8 + 3 * seed)
+            g, costs, keep = casefile.random_graph(seed, 8 + 3 * seed)
             _write(name, g, costs, keep, {"seed": seed, "source": "random"})
     chain = "graph_costs_chain_150"
     if not wanted or chain in wanted:
