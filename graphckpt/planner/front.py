@@ -117,12 +117,22 @@ class _Table:
 
 class _Stair:
     """Candidates of one state, sorted as the search sorts them (held, cost,
-    rank, pool index), to tell which other candidates the search drops."""
+    rank, pool index), to tell which other candidates the search drops.
 
-    def __init__(self, h, c, r, i):
+    A table over `bins` bins of held bytes in [0, top] answers most queries
+    with one lookup (the stair's least cost strictly below a query's bin);
+    the rest are searched exactly, ties included."""
+
+    def __init__(self, h, c, r, i, top, bins=4096):
         o = np.lexsort((i, r, c, h))
         self.h, self.c, self.r, self.i = h[o], c[o], r[o], i[o]
         self.least = np.minimum.accumulate(self.c)
+        self.table = None
+        if self.h.size and 0 < top < np.inf:
+            # table[k]: least cost of the points at or below edge k - 1
+            j = np.searchsorted(self.h, np.arange(bins + 1) * (top / bins), side="right") - 1
+            self.table = np.concatenate([[np.inf], np.where(j >= 0, self.least[np.maximum(j, 0)], np.inf)])
+            self.inv, self.last = bins / top, bins + 1
 
     def beats(self, h, c, r, i):
         """Whether a stair point comes before each (h, c, r, i) in the
@@ -130,6 +140,16 @@ class _Stair:
         size = self.h.size
         if not size:
             return np.zeros(h.shape, dtype=bool)
+        if self.table is None:
+            return self._beats(h, c, r, i)
+        # edge k - 1 lies below h: those points come first
+        out = self.table[np.minimum((h * self.inv).astype(np.int64), self.last)] <= c
+        rest = np.flatnonzero(~out)
+        out[rest] = self._beats(h[rest], c[rest], r[rest], i[rest])
+        return out
+
+    def _beats(self, h, c, r, i):
+        size = self.h.size
         j = np.searchsorted(self.h, h, side="left")
         out = (j > 0) & (self.least[np.maximum(j - 1, 0)] <= c)
         jj = np.minimum(j, size - 1)
@@ -301,7 +321,7 @@ class _Step:
         pool = self.pool
         hs = hint[pool.state[hint] >= self.r_lo]
         hs = hs[self.live(pool.state[hs] - self.r_lo, hs)]
-        return _Stair(*self.moved(pool.held[hs], pool.cost[hs], pool.state[hs]), hs)
+        return _Stair(*self.moved(pool.held[hs], pool.cost[hs], pool.state[hs]), hs, self.slack)
 
     def moved(self, h, c, st):
         """(held, cost, rank) at b of points of states `st`; rank orders ties
