@@ -179,6 +179,7 @@ def least_recompute(spans, cap, forbidden):
     G = _suffix_peaks(spans, forbidden, a_min)
     slack = cap + 1e-9 * abs(cap) + 1e-6
     exact = _exact_sums(spans)
+    whole = exact and float(cap).is_integer()  # live points: held up to a whole number
     pool = _Table(held=float, cost=float, state=np.int64, back=np.int64)
     pool.append(held=[0.0], cost=[0.0], state=[0], back=[-1])
     # states: one front each (pool[lo:hi]), at position a; blo/bhi: its level-0 blocks
@@ -197,7 +198,7 @@ def least_recompute(spans, cap, forbidden):
         S_a, S_pk, S_lo, S_hi = (col[r_lo:r_hi] for col in (states.a, states.pk, states.lo, states.hi))
         out = []
         for kept in (False, True):
-            step = _Step(spans, b, kept, cap, slack, G, fb, pool, states, r_lo, S_a, S_pk, S_lo, S_hi)
+            step = _Step(spans, b, kept, cap, slack, G, fb, pool, states, r_lo, S_a, S_pk, S_lo, S_hi, whole)
             p = prev[kept]
             certified = p is not None and exact and forbidden[b] == forbidden[b - 1] and r_lo < p["r_hi"]
             start, end, extra = step.ranges(p, certified)
@@ -249,8 +250,8 @@ class _Step:
     """One target state (b, kept): which points of each earlier state are
     live candidates for it, and where they move."""
 
-    def __init__(self, spans, b, kept, cap, slack, G, fb, pool, states, r_lo, S_a, S_pk, S_lo, S_hi):
-        self.b, self.kept, self.pool, self.states, self.r_lo = b, kept, pool, states, r_lo
+    def __init__(self, spans, b, kept, cap, slack, G, fb, pool, states, r_lo, S_a, S_pk, S_lo, S_hi, whole):
+        self.b, self.kept, self.pool, self.states, self.r_lo, self.whole = b, kept, pool, states, r_lo, whole
         self.S_lo, self.S_hi = S_lo, S_hi
         if kept:
             inner, self.dheld, self.dcost = spans.inner_kept[:b, b], spans.held_kept[:b, b], None
@@ -273,24 +274,47 @@ class _Step:
     def ranges(self, p, certified):
         """Per state, the points [start, end) to look at, and `extra` points
         (last step's front sources) below start."""
-        ns = self.S_lo.size
-        guess = self.S_lo.copy()
-        if p is not None:
-            o_lo, o_hi = max(self.r_lo, p["r_lo"]), p["r_hi"]
-            if o_lo < o_hi:
-                guess[o_lo - self.r_lo : o_hi - self.r_lo] = p["end"][o_lo - p["r_lo"] :]
-        guess = np.minimum(guess, self.top)
-        rows = np.arange(ns)
-        below = (guess == self.S_lo) | self.live(rows, np.maximum(guess - 1, 0))
-        above = (guess < self.top) & self.live(rows, np.minimum(guess, np.maximum(self.top - 1, 0)))
-        lo = np.where(below, np.where(above, guess + 1, guess), self.S_lo)
-        hi = np.where(below, np.where(above, self.top, guess), guess - 1)
-        end = _first_failing(lo, np.maximum(hi, lo), self.live)
+        end = self._ends(p)
         start = self.S_lo.copy()
         extra = np.zeros(0, dtype=np.int64)
         if certified:
             start, extra = self._certified(p, start, end)
         return start, end, extra
+
+    def _ends(self, p):
+        """Per state, the end of its live points (a prefix of its front):
+        from last step's end, one step either way, else bisection."""
+        lo_, top = self.S_lo, self.top
+        guess = lo_.copy()
+        if p is not None:
+            o_lo, o_hi = max(self.r_lo, p["r_lo"]), p["r_hi"]
+            if o_lo < o_hi:
+                guess[o_lo - self.r_lo : o_hi - self.r_lo] = p["end"][o_lo - p["r_lo"] :]
+        guess = np.minimum(guess, top)
+        if self.whole:
+            # the tests of `live` in whole numbers: held at most t
+            t = np.minimum(self.lim, np.floor(self.slack) - self.g - self.dh)
+            held = self.pool.held
+
+            def ok(rows, j):
+                return held[j] <= t[rows]
+        else:
+            ok = self.live
+        rows = np.arange(lo_.size)
+        at = np.maximum(top - 1, lo_)  # any index of the state, for masked tests
+        below = (guess == lo_) | ok(rows, np.minimum(np.maximum(guess - 1, lo_), at))
+        above = (guess < top) & ok(rows, np.minimum(guess, at))
+        lo, hi = guess.copy(), guess.copy()
+        up = below & above  # end above the guess
+        r = np.flatnonzero(up)
+        more = (guess[r] + 1 < top[r]) & ok(r, np.minimum(guess[r] + 1, at[r]))
+        lo[r] = np.where(more, guess[r] + 2, guess[r] + 1)
+        hi[r] = np.where(more, top[r], guess[r] + 1)
+        r = np.flatnonzero(~below)  # end below the guess
+        less = (guess[r] - 1 > lo_[r]) & ~ok(r, np.maximum(guess[r] - 2, lo_[r]))
+        lo[r] = np.where(less, lo_[r], guess[r] - 1)
+        hi[r] = np.where(less, guess[r] - 2, guess[r] - 1)
+        return _first_failing(lo, hi, ok)
 
     def _certified(self, p, start, end):
         o_lo, o_hi = max(self.r_lo, p["r_lo"]), p["r_hi"]
