@@ -9,10 +9,9 @@ never imports Keras; it uses numpy.
 
 import dataclasses
 
-import numpy as np
-
 from graphckpt import errors
 from graphckpt.planner.data import plan_from_boundaries
+from graphckpt.planner.front import least_recompute
 from graphckpt.planner.memory import memory_model_for
 from graphckpt.planner.search import least_fitting_cap
 
@@ -31,126 +30,6 @@ class BudgetInfeasible(errors.InfeasibleBudgetError):
         super().__init__(message)
         self.smallest_bytes = smallest_bytes
         self.budget_bytes = budget_bytes
-
-
-
-def _segment_starts(spans, cap):
-    """a_min[b]: the old scan's stopping point."""
-    n = spans.n
-    a_min = np.zeros(n + 1, dtype=np.int64)
-    for b in range(1, n + 1):
-        over = np.flatnonzero(spans.inner_kept[:b, b] > cap)
-        a_min[b] = over[-1] + 1 if over.size else 0
-    return a_min
-
-
-def _suffix_peaks(spans, cap, forbidden, a_min):
-    """G[b, kept]: least suffix peak from b."""
-    n = spans.n
-    G = np.full((n + 1, 2), np.inf)
-    G[n, :] = -np.inf
-    for b in range(n - 1, -1, -1):
-        allowed = a_min[b + 1 :] <= b
-        r_ok = allowed & (forbidden[b + 1 :] == forbidden[b])
-        r = np.where(r_ok, np.maximum(spans.inner_remat[b, b + 1 :], spans.held_remat[b, b + 1 :] + G[b + 1 :, 0]), np.inf)
-        k = np.where(allowed, np.maximum(spans.inner_kept[b, b + 1 :], spans.held_kept[b, b + 1 :] + G[b + 1 :, 1]), np.inf)
-        rm = r.min()
-        G[b, 1] = rm
-        G[b, 0] = min(rm, k.min())
-    return G
-
-
-def _search(spans, cap, forbidden, prune=True):
-    """Least-recompute plan with every segment's peak within `cap`.
-
-    Dynamic programming over the cut positions of one order. State: (cut
-    position b, whether the segment ending at b is kept). Each state holds
-    the Pareto front of (held bytes, recompute cost) over the plans of the
-    prefix [0, b) whose segments all fit `cap`. Two kept segments never
-    touch, and a recomputed segment holds no call marked in `forbidden`.
-    Every front point lives in one flat pool; each step is vectorized over
-    the pool points of the reachable starts. Ties go as in a scan of starts
-    from b - 1 down (recomputed before kept predecessors). Points that no
-    completion can fit (`_suffix_peaks`) are dropped: that changes no
-    front point any plan within `cap` passes through.
-
-    Returns (cost, [(a, b, remat), ...]), or None when nothing fits.
-    """
-    n = spans.n
-    forbidden = np.asarray(forbidden)
-    a_min = _segment_starts(spans, cap)
-    G = _suffix_peaks(spans, cap, forbidden, a_min) if prune else np.full((n + 1, 2), -np.inf)
-    slack = cap + 1e-9 * abs(cap) + 1e-6
-    # pool of front points: held, cost, position a, kept flag, back (pool index)
-    cap_pool = 1024
-    P_held, P_cost = np.empty(cap_pool), np.empty(cap_pool)
-    P_a, P_back = np.empty(cap_pool, dtype=np.int64), np.empty(cap_pool, dtype=np.int64)
-    P_pk = np.empty(cap_pool, dtype=bool)
-    P_held[0], P_cost[0], P_a[0], P_pk[0], P_back[0] = 0.0, 0.0, 0, False, -1
-    size = 1
-    start_at = np.zeros(n + 2, dtype=np.int64)  # first pool index of position a
-    start_at[1] = 1
-    final = {}
-    for b in range(1, n + 1):
-        lo = start_at[a_min[b]]
-        e_held, e_cost, e_a, e_pk = P_held[lo:size], P_cost[lo:size], P_a[lo:size], P_pk[lo:size]
-        out = []
-        # remat candidates -> state (b, False)
-        col_ir = spans.inner_remat[:b, b]
-        ir = col_ir[e_a]
-        ok = (forbidden[:b] == forbidden[b])[e_a] & (ir <= cap) & (e_held <= cap - ir)
-        idx = np.flatnonzero(ok)
-        if idx.size:
-            ea = e_a[idx]
-            h = e_held[idx] + spans.held_remat[:b, b][ea]
-            c = e_cost[idx] + spans.cost_span[:b, b][ea]
-            rank = (b - 1 - ea) * 2 + e_pk[idx]
-            out.append((False, h, c, rank, idx + lo))
-        # kept candidates -> state (b, True)
-        ik = spans.inner_kept[:b, b][e_a]
-        ok = (~e_pk) & (e_held <= cap - ik)
-        idx = np.flatnonzero(ok)
-        if idx.size:
-            ea = e_a[idx]
-            h = e_held[idx] + spans.held_kept[:b, b][ea]
-            c = e_cost[idx] + 0.0
-            rank = b - 1 - ea
-            out.append((True, h, c, rank, idx + lo))
-        for kept, h, c, rank, src in out:
-            if prune:
-                live = h + G[b, int(kept)] <= slack
-                if not live.all():
-                    h, c, rank, src = h[live], c[live], rank[live], src[live]
-                    if not h.size:
-                        continue
-            order = np.lexsort((rank, c, h))
-            c_sorted = c[order]
-            best_before = np.minimum.accumulate(np.concatenate([[np.inf], c_sorted[:-1]]))
-            keep = order[c_sorted < best_before]
-            m = keep.size
-            while size + m > P_held.size:
-                grow = P_held.size * 2
-                P_held, P_cost, P_a, P_pk, P_back = (
-                    np.resize(arr, grow) for arr in (P_held, P_cost, P_a, P_pk, P_back)
-                )
-            new = slice(size, size + m)
-            P_held[new], P_cost[new], P_a[new], P_pk[new], P_back[new] = h[keep], c[keep], b, kept, src[keep]
-            if b == n:
-                final[kept] = (size, m)
-            size += m
-        start_at[b + 1] = size
-    finals = [(P_cost[final[k][0]:final[k][0] + final[k][1]].min(), k) for k in (False, True) if k in final]
-    if not finals:
-        return None
-    cost, key = min(finals, key=lambda f: f[0])
-    s0, m = final[key]
-    i = s0 + int(np.argmin(P_cost[s0:s0 + m]))
-    segments = []
-    while P_back[i] >= 0:
-        j = P_back[i]
-        segments.append((int(P_a[j]), int(P_a[i]), not bool(P_pk[i])))
-        i = j
-    return float(cost), segments[::-1]
 
 
 def _least_held(spans, cap, forbidden):
@@ -215,7 +94,9 @@ def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", m
 
     The search is a dynamic program over cut positions with a Pareto front
     of (bytes held, recompute cost) per state: exact for the model, in
-    O(n^2 * front) time. It generalizes Chen et al.'s budgeted segmentation
+    O(n^2 * front) time at worst, and far less in practice: most
+    candidates are shown to be dominated without being looked at
+    (`graphckpt.planner.front`). It generalizes Chen et al.'s budgeted segmentation
     (a greedy pass over a chain with a memory budget) to an exact search
     with per-call costs, in the spirit of Feng & Huang's dynamic program over
     a linearized graph.
@@ -252,7 +133,7 @@ def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", m
     spans = memory_model_for(graph, costs, None, memory)
     order = spans.order
     forbidden = _forbidden_prefix(order, set(keep))
-    found = _search(spans, budget_bytes - costs.fixed, forbidden)
+    found = least_recompute(spans, budget_bytes - costs.fixed, forbidden)
     if found is None:
         smallest = _smallest(spans, forbidden) + costs.fixed
         raise BudgetInfeasible(

@@ -11,6 +11,7 @@ PLANNER_MODULES = (
     "graphckpt.planner.data",
     "graphckpt.planner.memory",
     "graphckpt.planner.search",
+    "graphckpt.planner.front",
     "graphckpt.planner.budget_search",
     "graphckpt.errors",
 )
