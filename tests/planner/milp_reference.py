@@ -16,17 +16,18 @@ recomputed segments' calls.
 Formulation (a path in the DAG of cut positions, like Checkmate's MILP
 over one schedule, but over segments): binary `x[a, b, r]` chooses segment
 [a, b) with remat flag r; flow conservation makes the chosen segments a
-partition of [0, n); continuous `H[p]` bounds from below the bytes held by
-the segments before cut position p:
+partition of [0, n). The bytes held before cut position p are then the
+linear sum of `held` over the chosen segments ending at or before p, and
+the peak is one row per position, with no big-M:
 
-    H[b] >= H[a] + held(a, b, r) - (cap + held) (1 - x[a, b, r])
-    H[a] + inner(a, b, r) <= cap + inner (1 - x[a, b, r])
-    0 <= H[p] <= cap for p < n; segments with inner > cap left out
+    sum_{b' <= p} held(a', b', r') x[a', b', r'] + sum_b inner(p, b, r) x[p, b, r] <= cap   (p < n)
     sum_a x[a, p, kept] + sum_b x[p, b, kept] <= 1          (kept segments never touch)
     minimize sum cost(a, b) x[a, b, remat]
 
-A chosen path's exact held sums satisfy the first constraint, so the
-solver's feasible set is exactly the plans that fit `cap`.
+At a position where a chosen segment starts, the row is that segment's
+peak; at any other, it is the held bytes before the segment that spans it,
+which that segment's own row already bounds. Segments whose own peak is
+over the cap are left out.
 """
 
 import numpy as np
@@ -59,45 +60,37 @@ def least_recompute(graph, costs, budget_bytes, keep=()):
         return None
     held = np.array([spans.held(a, b, r) for a, b, r in segs])
     inner = np.array([spans.inner(a, b, r) for a, b, r in segs])
-    nx_, nh = len(segs), n + 1  # variables: x..., then H[0..n]
-    rows = lil_matrix((2 * nx_ + (n + 1) + (n + 1), nx_ + nh))
+    nx_ = len(segs)
+    rows = lil_matrix((3 * (n + 1), nx_))
     lo, hi = [], []
-    row = 0
-    # The tightest big-Ms: 0 <= H[p] <= cap where a segment starts at p.
-    for i, (a, b, _) in enumerate(segs):
-        # H[b] - H[a] - M x >= held - M, with M = cap + held
-        big = cap + held[i]
-        rows[row, nx_ + b], rows[row, nx_ + a], rows[row, i] = 1.0, -1.0, -big
-        lo.append(held[i] - big), hi.append(np.inf)
-        row += 1
-        # H[a] + M x <= cap - inner + M, with M = inner
-        rows[row, nx_ + a], rows[row, i] = 1.0, inner[i]
+    for p in range(n + 1):  # the peak when the segment starting at p runs backward
+        if p == n:  # no segment starts at n; what the last one holds is never held
+            lo.append(-np.inf), hi.append(np.inf)
+            continue
+        for i, (a, b, _) in enumerate(segs):
+            if b <= p:
+                rows[p, i] += held[i]
+            if a == p:
+                rows[p, i] += inner[i]
         lo.append(-np.inf), hi.append(cap)
-        row += 1
     for p in range(n + 1):  # flow: out - in = 1 at 0, -1 at n, 0 between
         for i, (a, b, _) in enumerate(segs):
             if a == p:
-                rows[row, i] += 1.0
+                rows[n + 1 + p, i] += 1.0
             if b == p:
-                rows[row, i] -= 1.0
+                rows[n + 1 + p, i] -= 1.0
         target = 1.0 if p == 0 else (-1.0 if p == n else 0.0)
         lo.append(target), hi.append(target)
-        row += 1
     for p in range(n + 1):  # kept segments never touch at p
         for i, (a, b, r) in enumerate(segs):
             if not r and (a == p or b == p):
-                rows[row, i] = 1.0
+                rows[2 * (n + 1) + p, i] = 1.0
         lo.append(-np.inf), hi.append(1.0)
-        row += 1
-    objective = np.concatenate([[spans.cost(a, b) if r else 0.0 for a, b, r in segs], np.zeros(nh)])
-    integrality = np.concatenate([np.ones(nx_), np.zeros(nh)])
-    lower = np.zeros(nx_ + nh)
-    upper = np.concatenate([np.ones(nx_), np.full(n, cap), [np.inf]])
-    upper[nx_] = 0.0  # H[0] = 0
+    objective = np.array([spans.cost(a, b) if r else 0.0 for a, b, r in segs])
     result = milp(
         objective,
-        integrality=integrality,
-        bounds=Bounds(lower, upper),
+        integrality=np.ones(nx_),
+        bounds=Bounds(0, 1),
         constraints=LinearConstraint(rows.tocsr(), lo, hi),
         options={"time_limit": 60, "mip_rel_gap": 0.0},  # exact, not HiGHS's default 1e-4
     )
