@@ -5,7 +5,8 @@ without Keras: `depth` x Linear(width, width) + tanh, then Linear(width,
 outputs), trained with SGD (learning rate 0.01, Keras's default) on MSE.
 
 - **torch**: an `nn.Sequential` of `Linear, Tanh, ..., Linear` and
-  `torch.optim.SGD`; `checkpoint=True` runs it through
+  `torch.optim.SGD`, a step in the order of Keras's torch trainer (forward,
+  `zero_grad`, backward, `opt.step()`); `checkpoint=True` runs it through
   `torch.utils.checkpoint.checkpoint_sequential(model, segments, x,
   use_reentrant=False)`.
 - **jax**: a pure-JAX MLP; the training step (loss, `jax.grad`, the SGD
@@ -65,11 +66,16 @@ def _torch_step(spec):
     segments = spec["segments"]
 
     def step():
-        opt.zero_grad()
+        # The order of Keras's torch trainer (keras/src/backend/torch/trainer.py
+        # `train_step`): forward, then `zero_grad()` frees the previous step's
+        # gradients, then backward. Zeroing first would free the gradients
+        # (the size of the weights) before the forward pass, and hide the
+        # activations below the step's starting RSS.
         if spec["checkpoint"]:
             out = checkpoint_sequential(model, segments, x, use_reentrant=False)
         else:
             out = model(x)
+        opt.zero_grad()  # set_to_none=True, as nn.Module.zero_grad in Keras's trainer
         loss = loss_fn(out, y)
         loss.backward()
         opt.step()
