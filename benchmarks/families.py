@@ -10,16 +10,16 @@ import keras
 from keras import layers
 
 
-def dense_chain(depth=64, width=1024, dropout_every=0, rate=0.1, activation="tanh"):
+def dense_chain(depth=64, width=1024, dropout_every=0, rate=0.1, activation="tanh", outputs=10):
     """`depth` x Dense(width, tanh), with a Dropout after every
-    `dropout_every`-th Dense (none when 0), then Dense(10)."""
+    `dropout_every`-th Dense (none when 0), then Dense(outputs)."""
     inp = keras.Input((width,), name="x")
     x = inp
     for i in range(depth):
         x = layers.Dense(width, activation=activation)(x)
         if dropout_every and (i + 1) % dropout_every == 0:
             x = layers.Dropout(rate)(x)
-    return keras.Model(inp, layers.Dense(10)(x), name=f"dense_chain_{depth}")
+    return keras.Model(inp, layers.Dense(outputs)(x), name=f"dense_chain_{depth}")
 
 
 def resnet_cnn(size=64, channels=32, blocks_per_stage=3, stages=3, classes=10):
