@@ -158,13 +158,17 @@ def probes():
 
 
 
+def _input_count(how):
+    """How many tensors a probe's layer is called on."""
+    return 2 if how in ("two", "pair") else 1
+
+
 def make_inputs(kind, how, batch, rng):
     """Random numpy inputs for a probe: one, or two for a layer of two."""
     shape = SHAPES[kind]
     if kind == "ids":
         return [rng.integers(0, 100, (batch,) + shape).astype("int32")]
-    count = 2 if how in ("two", "pair") else 1
-    return [rng.normal(size=(batch,) + shape).astype("float32") for _ in range(count)]
+    return [rng.normal(size=(batch,) + shape).astype("float32") for _ in range(_input_count(how))]
 
 
 def call(layer, xs, how):
@@ -299,9 +303,8 @@ def estimated_per_example(spec):
     from graphckpt.graph import build_graph
 
     kind, factory, how = (*spec, "one")[:3]
-    count = 2 if how in ("two", "pair") else 1
     dtype = "int32" if kind == "ids" else "float32"
-    inputs = [keras.Input(SHAPES[kind], dtype=dtype) for _ in range(count)]
+    inputs = [keras.Input(SHAPES[kind], dtype=dtype) for _ in range(_input_count(how))]
     model = keras.Model(inputs, call(factory(), inputs, how))
     graph = build_graph(model)
     costs = node_costs(graph)

@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 
 from tests.helpers import BACKEND
+from tests.test_distribute import WIDTH, _model  # the same 8-layer tanh chain
 
 pytestmark = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's MultiWorkerMirroredStrategy")
 
-WIDTH, BATCH, STEPS, EPOCHS = 16, 16, 4, 3
+BATCH, STEPS, EPOCHS = 16, 4, 3
 
 
 def _free_ports(n):
@@ -80,20 +81,6 @@ def test_two_workers_train_the_checkpointed_model_as_the_plain_one(runs):
 
 
 # ---------------------------------------------------------------- the worker
-
-
-def _model(bn):
-    import keras
-    from keras import layers
-
-    keras.utils.set_random_seed(7)
-    inp = keras.Input((WIDTH,))
-    x = inp
-    for i in range(8):
-        x = layers.Dense(WIDTH, activation="tanh")(x)
-        if bn and i % 3 == 2:
-            x = layers.BatchNormalization()(x)
-    return keras.Model(inp, layers.Dense(2)(x))
 
 
 def _train(strategy, checkpoint, bn):

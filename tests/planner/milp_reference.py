@@ -32,7 +32,6 @@ over the cap are left out.
 
 import numpy as np
 
-from graphckpt.planner.data import topological_order
 from graphckpt.planner.memory import memory_model_for
 
 
@@ -43,11 +42,10 @@ def least_recompute(graph, costs, budget_bytes, keep=()):
     from scipy.sparse import lil_matrix
 
     spans = memory_model_for(graph, costs)
-    order = topological_order(graph)
     n = spans.n
     cap = budget_bytes - costs.fixed
     keep = set(keep)
-    forbidden = np.concatenate([[0], np.cumsum([v in keep for v in order])])
+    forbidden = np.concatenate([[0], np.cumsum([v in keep for v in spans.order])])
     segs = [
         (a, b, r)
         for a in range(n)
