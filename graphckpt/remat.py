@@ -14,7 +14,7 @@ import keras
 
 from graphckpt import keras_compat
 
-__all__ = ["segment_remat", "tf_remat", "jax_remat", "jax_tie", "torch_remat"]
+__all__ = ["segment_remat", "tf_remat", "tf_tie", "jax_remat", "jax_tie", "torch_remat"]
 
 
 def segment_remat(f, n_inputs):
@@ -76,20 +76,10 @@ def tf_remat(f, n_inputs):
             with tf.GradientTape() as tape:
                 inputs = [tf.identity(x) for x in args[:n_inputs]]
                 if not context.executing_eagerly():
-                    # As tf.recompute_grad: recompute once dresult exists
-                    # (a data dependency, which XLA respects). On every
-                    # result's gradient, not only the first: TensorFlow
-                    # fills an unused result's with zeros made in the
-                    # forward pass (probabilities whose loss reads logits).
-                    firsts = [
-                        tf.cast(tf.reshape(d, [-1])[:1], tf.float32)
-                        for d in dresult
-                        if d is not None and d.dtype.is_floating
-                    ]
-                    elem = tf.reduce_max(tf.concat(firsts or [tf.zeros([1])], 0))
-                    ok = tf.cast(elem, tf.bool)
-                    dep = tf.where(ok == ok, 0.0, float("nan"))
-                    inputs = [x + tf.cast(dep, x.dtype) for x in inputs]
+                    # As tf.recompute_grad: recompute once dresult exists,
+                    # a data dependency, tied as on JAX: a select on the
+                    # gradients' bits, which XLA cannot fold (`tf_tie`).
+                    inputs = tf_tie(inputs, dresult)
                 id_args = inputs + list(args[n_inputs:])
                 tape.watch(id_args)
                 if variables:
@@ -116,6 +106,31 @@ def tf_remat(f, n_inputs):
         return result, grad
 
     return inner
+
+
+def tf_tie(tensors, gradients):
+    """`tensors`, with their values bit for bit, as results of the
+    gradients: TensorFlow's `jax_tie`.
+
+    Ties on every gradient, not only the first: TensorFlow fills an unused
+    result's with zeros made in the forward pass (probabilities whose loss
+    reads logits), and a tie on those alone would not wait for the
+    backward pass. A select keeps every value (-0.0 too, which `x + 0`
+    made +0.0)."""
+    import tensorflow as tf
+
+    bits = [
+        tf.bitcast(tf.cast(tf.reshape(g, [-1])[:1], tf.float32), tf.uint32)
+        for g in gradients
+        if g is not None and g.dtype.is_floating
+    ]
+    if not bits:
+        return list(tensors)
+    u = bits[0]
+    for b in bits[1:]:
+        u = tf.bitwise.bitwise_or(u, b)
+    keep = tf.reshape(tf.not_equal(tf.bitwise.bitwise_or(u, 1), 0), [])
+    return [tf.where(keep, x, tf.zeros([], x.dtype)) for x in tensors]  # no full-size zeros
 
 
 def torch_remat(f):

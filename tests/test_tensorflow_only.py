@@ -77,3 +77,37 @@ def test_recompute_really_happens_in_graph():
     # Plus one recomputed forward per Dense, plus d/dx of the first segment,
     # which tf.recompute_grad computes for every argument.
     assert ours == plain + 13 + 1
+
+
+def test_tf_tie_keeps_every_value_and_waits_for_the_gradients():
+    """The tie that orders a segment's recompute after its incoming
+    gradients (`graphckpt.remat.tf_tie`): values bit for bit (-0.0, NaN,
+    inf, integers), and the tied tensor computed from the gradients, so
+    that neither the executor nor XLA runs the recompute in the forward
+    pass."""
+    import tensorflow as tf
+
+    from graphckpt.remat import tf_tie
+
+    x = tf.constant([-0.0, 0.0, float("nan"), float("inf"), -1.5])
+    ids = tf.constant([3, 0, 7])
+    grads = [tf.constant([[0.0, 2.0]]), None, tf.constant([1], tf.int32), tf.constant([-0.0])]
+    tied_x, tied_ids = tf_tie([x, ids], grads)
+    np.testing.assert_array_equal(tf.bitcast(tied_x, tf.int32).numpy(), tf.bitcast(x, tf.int32).numpy())
+    np.testing.assert_array_equal(tied_ids.numpy(), ids.numpy())
+    assert tf_tie([x], [None, tf.constant([1])])[0] is x  # no floating gradient: nothing to tie to
+
+    @tf.function
+    def tied(x, g):
+        return tf_tie([x], [g])[0]
+
+    graph = tied.get_concrete_function(tf.TensorSpec([5]), tf.TensorSpec([2, 2])).graph
+    out = graph.outputs[0].op
+    seen, stack = set(), [out]
+    while stack:
+        op = stack.pop()
+        for t in op.inputs:
+            if t.op.name not in seen:
+                seen.add(t.op.name)
+                stack.append(t.op)
+    assert {t.op.name for t in graph.inputs} <= seen  # both x and the gradient reach the output
