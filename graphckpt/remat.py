@@ -119,8 +119,10 @@ def tf_tie(tensors, gradients):
     made +0.0)."""
     import tensorflow as tf
 
+    # The first element of each gradient, or 0 where it has none (a size
+    # TensorFlow may know only at run time).
     bits = [
-        tf.bitcast(tf.cast(tf.reshape(g, [-1])[:1], tf.float32), tf.uint32)
+        tf.bitcast(tf.cast(tf.concat([tf.reshape(g, [-1])[:1], tf.zeros([1], g.dtype)], 0)[:1], tf.float32), tf.uint32)
         for g in gradients
         if g is not None and g.dtype.is_floating
     ]

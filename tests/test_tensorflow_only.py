@@ -96,6 +96,12 @@ def test_tf_tie_keeps_every_value_and_waits_for_the_gradients():
     np.testing.assert_array_equal(tf.bitcast(tied_x, tf.int32).numpy(), tf.bitcast(x, tf.int32).numpy())
     np.testing.assert_array_equal(tied_ids.numpy(), ids.numpy())
     assert tf_tie([x], [None, tf.constant([1])])[0] is x  # no floating gradient: nothing to tie to
+    # A gradient with no elements (an output with a zero dimension), its
+    # size known only at run time: still a tie, and the values kept.
+    run_time_size = tf.function(lambda x, g: tf_tie([x], [g])[0])
+    empty = tf.zeros([0, 4])
+    np.testing.assert_array_equal(run_time_size.get_concrete_function(
+        tf.TensorSpec([5]), tf.TensorSpec([None, 4]))(x, empty).numpy().view(np.int32), x.numpy().view(np.int32))
 
     @tf.function
     def tied(x, g):
