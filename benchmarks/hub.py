@@ -13,6 +13,7 @@ Usage:
     python benchmarks/hub.py lora [--repeats 3]
     python benchmarks/hub.py longest [--budget-mib 1024]
     python benchmarks/hub.py exact            # fit flag vs plain fit, LoRA, dropout on
+    python benchmarks/hub.py estimate         # the estimator against the saved backbone and lora runs
 
 The causal LM's baseline is its layer graph as a plain functional model,
 compiled as its checkpointed twin is (`measure` trains both with MSE on the
@@ -193,14 +194,37 @@ def run_exact(args):
     return {"plain_loss": plain, "flag_loss": flagged, "max_abs_weight_diff": worst, "exact": bool(ok)}
 
 
+def run_estimate(args):
+    """graphckpt's estimate of the baseline and the default plan, against the
+    medians measured by the last `backbone` and `lora` runs (their JSON)."""
+    import graphckpt
+
+    shape = _shape(8, 512)
+    rows = []
+    for what, build in (("backbone", gpt2_backbone), ("lora", lambda: as_functional(lora_causal_lm))):
+        with open(os.path.join(RESULTS, f"hub_{what}.json")) as f:
+            measured = json.load(f)["summary"]
+        model = build()
+        e = graphckpt.estimate(model, graphckpt.plan(model, input_shape=shape), input_shape=shape)
+        for plan, est, got in (("baseline", e.baseline_peak_bytes, measured["baseline_peak_bytes"]),
+                               ("default", e.peak_bytes, measured["graphckpt_peak_bytes"])):
+            rows.append({"model": what, "plan": plan, "estimated_bytes": est, "measured_bytes": got,
+                         "error": est / got - 1})
+            print(f"  {what:8s} {plan:8s} estimated {format_bytes(est)}, measured {format_bytes(got)}: "
+                  f"{est / got - 1:+.0%}", flush=True)
+    return {"batch": 8, "seq": 512, "rows": rows, "summary": {r["model"] + " " + r["plan"]: round(r["error"], 3)
+                                                               for r in rows}}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["backbone", "lora", "longest", "exact"])
+    parser.add_argument("what", choices=["backbone", "lora", "longest", "exact", "estimate"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--budget-mib", type=int, default=1024)
     args = parser.parse_args()
-    result = {"backbone": run_backbone, "lora": run_lora, "longest": run_longest, "exact": run_exact}[args.what](args)
+    result = {"backbone": run_backbone, "lora": run_lora, "longest": run_longest, "exact": run_exact,
+              "estimate": run_estimate}[args.what](args)
     result["date"] = datetime.date.today().isoformat()
     result["command"] = "python benchmarks/hub.py " + " ".join(sys.argv[1:])
     os.makedirs(RESULTS, exist_ok=True)

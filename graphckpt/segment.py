@@ -194,12 +194,17 @@ class Segment(keras.layers.Layer):
         float_idx = [i for i, x in enumerate(inputs) if backend == "jax" or _is_float(x)]
         layout = {}
 
-        def forward(*args):
+        def forward(*args, tie=list):
+            # `tie`: in TensorFlow's recompute, ties what is closed over to
+            # the incoming gradients (see `remat.segment_remat`).
             self.forward_calls += 1
             xs = list(inputs)
+            other_idx = [i for i in range(len(xs)) if i not in float_idx]
+            for i, x in zip(other_idx, tie([xs[i] for i in other_idx])):
+                xs[i] = x
             for i, x in zip(float_idx, args):
                 xs[i] = x
-            values = [x for _, x in closed] + list(args[len(float_idx) :])
+            values = tie([x for _, x in closed]) + list(args[len(float_idx) :])
             with _no_autocast():
                 scope = keras.StatelessScope(
                     state_mapping=[(v, x) for (v, _), x in zip(mapping, values)], collect_losses=True
