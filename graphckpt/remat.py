@@ -23,8 +23,8 @@ def segment_remat(f, n_inputs):
     Args:
         f: a function of tensors returning a tuple of tensors. On
             TensorFlow its recompute is called with a keyword `tie`: a
-            function that returns a list of tensors unchanged but computed
-            from the incoming gradients (`tf_tie`). `f` passes every value
+            function that returns a list of tensors unchanged but ordered
+            after the incoming gradients (`_tie_closed`). `f` passes every value
             it closes over through it (state snapshots, integer inputs), so
             that no part of the recompute can run before the gradient
             exists; a forward call gets no `tie`.
@@ -63,12 +63,13 @@ def tf_remat(f, n_inputs):
     control dependency on the weight gradients keeps one recomputed interior
     alive at a time. Gradients are unchanged.
 
-    What `f` closes over is tied as well, through its `tie` keyword: a
-    recompute's random masks come from a closed-over seed snapshot and a
-    causal mask from a closed-over integer input, so without the tie the
-    executor computed every segment's masks as soon as the backward pass
-    began and held them until their segment's turn (GPT-2 at sequence 512
-    with dropout: about 17 MiB more per segment, none without dropout).
+    What `f` closes over is tied as well, through its `tie` keyword
+    (`_tie_closed`): a recompute's random masks come from a closed-over seed
+    snapshot and a causal mask from a closed-over integer input, so without
+    the tie the executor computed every segment's masks as soon as the
+    backward pass began and held them until their segment's turn (GPT-2 at
+    sequence 512 with dropout: about 17 MiB more per segment, none without
+    dropout).
 
     Args:
         f: a function of tensors returning a tuple of tensors.
@@ -94,7 +95,7 @@ def tf_remat(f, n_inputs):
                     # a data dependency, tied as on JAX: a select on the
                     # gradients' bits, which XLA cannot fold (`tf_tie`).
                     inputs = tf_tie(inputs, dresult)
-                    tie = {"tie": lambda tensors: tf_tie(tensors, dresult)}
+                    tie = {"tie": lambda tensors: _tie_closed(tensors, dresult)}
                 id_args = inputs + list(args[n_inputs:])
                 tape.watch(id_args)
                 if variables:
@@ -121,6 +122,26 @@ def tf_remat(f, n_inputs):
         return result, grad
 
     return inner
+
+
+def _tie_closed(tensors, gradients):
+    """What a recompute closes over, tied to the gradients: integers and
+    booleans (seed states, token ids, padding masks: small) by `tf_tie`'s
+    select, a data dependency XLA keeps; floats (frozen weights, moving
+    statistics: as large as a segment's weights, which a select would copy)
+    by a control dependency, which costs nothing and orders TensorFlow's
+    executor, though not XLA."""
+    import tensorflow as tf
+
+    small = [i for i, x in enumerate(tensors) if isinstance(x, tf.Tensor) and not x.dtype.is_floating]
+    out = list(tensors)
+    for i, x in zip(small, tf_tie([tensors[i] for i in small], gradients)):
+        out[i] = x
+    after = [g for g in gradients if g is not None]
+    if after:
+        with tf.control_dependencies(after):
+            out = [x if i in small or not isinstance(x, tf.Tensor) else tf.identity(x) for i, x in enumerate(out)]
+    return out
 
 
 def tf_tie(tensors, gradients):
