@@ -14,6 +14,7 @@ Usage:
     python benchmarks/hub.py longest [--budget-mib 1024]
     python benchmarks/hub.py exact            # fit flag vs plain fit, LoRA, dropout on
     python benchmarks/hub.py estimate         # the estimator against the saved backbone and lora runs
+    python benchmarks/hub.py dropout --backend jax   # 4 and 8 blocks, dropout 0 and 0.1, seq 256
 
 The causal LM's baseline is its layer graph as a plain functional model,
 compiled as its checkpointed twin is (`measure` trains both with MSE on the
@@ -216,19 +217,39 @@ def run_estimate(args):
                                                                for r in rows}}
 
 
+def run_dropout(args):
+    """The backbone with 4 and 8 blocks, dropout 0 and 0.1, at sequence 256
+    (vocabulary 1,000), baseline and the default plan, on `--backend`: how
+    much each block adds to the checkpointed peak with and without random
+    masks (one run each)."""
+    shape = _shape(8, 256)
+    rows = []
+    for label, spec in (("baseline", {}), ("graphckpt", {"checkpoint_kwargs": {"input_shape": shape}})):
+        for dropout in (0.0, 0.1):
+            for blocks in (4, 8):
+                m = measure(f"{ME}:gpt2_backbone", batch_size=8, input_shape=shape, backend=args.backend, steps=2,
+                            warmup=2, timeout=900, method=label, label=label,
+                            builder_kwargs=dict(num_layers=blocks, dropout=dropout, vocabulary_size=1000), **spec)
+                rows.append({"method": label, "dropout": dropout, "blocks": blocks, "peak_bytes": m.peak_bytes})
+                print(f"  {label:9s} dropout {dropout} blocks {blocks}: {format_bytes(m.peak_bytes)}", flush=True)
+    return {"backend": args.backend, "batch": 8, "seq": 256, "rows": rows}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["backbone", "lora", "longest", "exact", "estimate"])
+    parser.add_argument("what", choices=["backbone", "lora", "longest", "exact", "estimate", "dropout"])
+    parser.add_argument("--backend", default="jax", help="the Keras backend of `dropout`'s runs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--budget-mib", type=int, default=1024)
     args = parser.parse_args()
     result = {"backbone": run_backbone, "lora": run_lora, "longest": run_longest, "exact": run_exact,
-              "estimate": run_estimate}[args.what](args)
+              "estimate": run_estimate, "dropout": run_dropout}[args.what](args)
     result["date"] = datetime.date.today().isoformat()
     result["command"] = "python benchmarks/hub.py " + " ".join(sys.argv[1:])
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"hub_{args.what}.json"), "w") as f:
+    name = f"hub_{args.what}" + (f"_{args.backend}" if args.what == "dropout" else "")
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(json.dumps(result["summary"] if "summary" in result else result, indent=1, default=str))
 
