@@ -170,7 +170,7 @@ def _rule(layer, ins, outs, node=None):
     if found is not None:
         return found
     if node is not None and keras_compat.has_sublayers(layer):
-        composite = layers_inside.composite_rule(layer, node, ins, _rule)
+        composite = layers_inside.composite_rule(layer, node, ins, _rule, _workspace)
         if composite is not None:
             return composite
     return rules.unknown_rule(layer, ins, outs)
@@ -191,6 +191,15 @@ _WORKSPACE_PARAMS = 3.0
 # Bytes every plan pays, as multiples of the model outputs' bytes (the
 # prediction, its error and its gradient in the loss).
 _FIXED_OUTPUTS = 3.0
+
+
+def _workspace(rule, ins, outs):
+    """Per-example transient bytes of one call's backward step, parameter
+    gradients left out: the rule's own figure, else the default formula."""
+    if rule.workspace is not None:
+        return rule.workspace
+    io = sum(i.nbytes for i in ins if rules.is_float(i)) + sum(o.nbytes for o in outs)
+    return _WORKSPACE_IO * io + _WORKSPACE_INTERNAL * rule.internal
 
 
 def _param_bytes(layer):
@@ -218,9 +227,7 @@ def _costs(graph, batch_size):
         saved.update(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
         saved.update(outs[i].key for i in rule.saved_outputs if i < len(outs))
         internal[key] = int(rule.internal * scale)
-        io = sum(i.nbytes for i in ins if rules.is_float(i)) + sum(o.nbytes for o in outs)
-        work = _WORKSPACE_IO * io + _WORKSPACE_INTERNAL * rule.internal if rule.workspace is None else rule.workspace
-        workspace[key] = int(work * scale)
+        workspace[key] = int(_workspace(rule, ins, outs) * scale)
         if batch_size is not None:
             params = _param_bytes(data["layer"]) if rule.param_bytes is None else rule.param_bytes
             workspace[key] += int(_WORKSPACE_PARAMS * params)

@@ -56,7 +56,7 @@ def _tensors(structure):
     return [t for t in keras.tree.flatten(structure) if hasattr(t, "shape") and hasattr(t, "dtype")]
 
 
-def composite_rule(layer, node, ins, rule_of):
+def composite_rule(layer, node, ins, rule_of, workspace_of):
     """A layer of layers outside Keras (keras_hub's `TransformerDecoder`,
     a user's block): the sum of what its sublayer calls keep, found by
     calling it symbolically in training on the shapes it is called with
@@ -64,7 +64,12 @@ def composite_rule(layer, node, ins, rule_of):
     the symbolic call fails.
 
     `rule_of(layer, ins, outs, node)` gives each sublayer call's rule (the
-    estimator's, which may come back here for a sublayer of layers)."""
+    estimator's, which may come back here for a sublayer of layers), and
+    `workspace_of(rule, ins, outs)` the transient bytes of its backward
+    step. The sublayers' backward steps run one at a time, so the layer's
+    workspace is the largest of theirs, plus the gradients of its own
+    inputs and outputs, alive throughout (not the sum of their internals,
+    which counted a transformer block's interior twice)."""
     specs = {
         id(t): keras.KerasTensor((1,) + tuple(info.shape[1:]), dtype=info.dtype)
         for t, info in zip(node.input_tensors, ins)
@@ -75,10 +80,10 @@ def composite_rule(layer, node, ins, rule_of):
     record = []
     try:
         with _recording_sublayer_calls(record):
-            keras_compat.compute_output_spec(layer.call, *args, **kwargs)
+            outputs = keras_compat.compute_output_spec(layer.call, *args, **kwargs)
     except Exception:  # a layer that only runs on real data: keep the generic rule
         return None
-    kept, internal, flops, expensive = {}, 0.0, 0.0, False
+    kept, internal, flops, expensive, work = {}, 0.0, 0.0, False, 0.0
     for sub, sub_args, sub_kwargs, sub_outputs in record:
         sub_tensors = _tensors((sub_args, sub_kwargs))
         sub_ins = [_info(t) for t in sub_tensors]
@@ -89,7 +94,15 @@ def composite_rule(layer, node, ins, rule_of):
         internal += rule.internal
         flops += rule.flops
         expensive = expensive or rule.expensive
-    return rules.LayerRule(internal=internal + sum(kept.values()), flops=flops, expensive=expensive, name="layers inside")
+        work = max(work, workspace_of(rule, sub_ins, sub_outs))
+    io = sum(i.nbytes for i in ins if rules.is_float(i)) + sum(_info(t).nbytes for t in _tensors(outputs))
+    return rules.LayerRule(
+        internal=internal + sum(kept.values()),
+        flops=flops,
+        expensive=expensive,
+        name="layers inside",
+        workspace=work + io,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

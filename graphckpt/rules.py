@@ -150,7 +150,9 @@ def all_indices(items):
 SAVES_OUTPUT = {"relu", "relu6", "tanh", "sigmoid", "softmax", "log_softmax", "elu", "selu", "exponential"}
 # Activations whose gradient reads the input, with the number of
 # input-sized buffers kept (gelu's erf form keeps two temporaries besides
-# its input; probed: Dense(gelu) keeps 3 tensors of its output's size).
+# its input; probed: Dense(gelu) keeps 3 tensors of its output's size; the
+# tanh form, keras_hub's `gelu_approximate` (GPT-2, BERT), keeps 4: Tanh,
+# Pow, Mul and AddV2 outputs in TensorFlow's gradient graph).
 SAVES_INPUT = {
     "softplus": 1,
     "softsign": 1,
@@ -164,6 +166,7 @@ SAVES_INPUT = {
     "celu": 2,
     "mish": 3,
     "gelu": 3,
+    "gelu_approximate": 4,
 }
 _NO_SAVE_ACTIVATIONS = {"linear", None}
 

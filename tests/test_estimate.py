@@ -2,6 +2,8 @@
 with the planner's memory model. No measurement here (see
 benchmarks/calibrate.py and docs/estimator.md for estimated vs measured)."""
 
+import math
+
 import keras
 import pytest
 from keras import layers
@@ -264,6 +266,31 @@ def test_a_layer_of_layers_is_the_sum_of_its_sublayer_calls():
     calls = graphckpt.estimate(flat, input_shape=(2, 128, 16)).calls
     inner = sum(c.kept_bytes for c in calls if c.class_name in ("MultiHeadAttention", "LayerNormalization", "Dense"))
     assert long.kept_bytes >= 0.8 * inner
+
+
+def test_a_layer_of_layers_backward_workspace_is_its_largest_sublayers():
+    """The sublayers' backward steps run one after another, so a layer of
+    layers needs the largest of their workspaces at once (plus its own
+    input and output gradients), not their sum: the sum counted a GPT-2
+    block's interior twice (docs/estimator.md, text models)."""
+    tokens = keras.Input((None, 16))
+    model = keras.Model(tokens, keras.layers.Dense(1)(_Block()(keras.layers.Dense(16)(tokens))))
+    (block,) = [c for c in graphckpt.estimate(model, input_shape=(2, 128, 16)).calls if c.class_name == "_Block"]
+    flat_in = keras.Input((None, 16))
+    h = keras.layers.Dense(16)(flat_in)
+    h = keras.layers.Add()([h, keras.layers.MultiHeadAttention(2, 8, name="mha")(h, h)])
+    h = keras.layers.Dense(16, activation="gelu", name="gelu_dense")(keras.layers.LayerNormalization(name="norm")(h))
+    flat = keras.Model(flat_in, keras.layers.Dense(1)(h))
+    inner = {c.node[0]: c for c in graphckpt.estimate(flat, input_shape=(2, 128, 16)).calls}
+
+    def weights(layer):  # parameter gradients in flight: 3 x the trainable bytes
+        return 3 * sum(math.prod(v.shape) * 4 for v in layer.trainable_weights)
+
+    own = {name: inner[name].workspace_bytes - weights(flat.get_layer(name)) for name in ("mha", "norm", "gelu_dense")}
+    io = 2 * (2 * 128 * 16 * 4)  # the block's input and output gradients, batch 2
+    block_layer = next(layer for layer in model.layers if isinstance(layer, _Block))
+    assert block.workspace_bytes == pytest.approx(max(own.values()) + io + weights(block_layer), rel=0.01)
+    assert block.workspace_bytes < sum(c.workspace_bytes for c in inner.values() if c.node[0] in own)
 
 
 def test_grouped_query_attention_is_estimated_with_its_own_heads():
