@@ -138,9 +138,11 @@ def _tie_closed(tensors, gradients):
     for i, x in zip(small, tf_tie([tensors[i] for i in small], gradients)):
         out[i] = x
     after = [g for g in gradients if g is not None]
-    if after:
+    floats = [i for i, x in enumerate(tensors) if isinstance(x, tf.Tensor) and x.dtype.is_floating]
+    if after and floats:
         with tf.control_dependencies(after):
-            out = [x if i in small or not isinstance(x, tf.Tensor) else tf.identity(x) for i, x in enumerate(out)]
+            for i in floats:
+                out[i] = tf.identity(out[i])
     return out
 
 

@@ -182,3 +182,37 @@ def test_tanh_gelu_rule_counts_what_tensorflow_keeps():
     measured = layer_probes.measured_per_example(spec, np.random.default_rng(0))
     estimated, io = layer_probes.estimated_per_example(spec)
     assert abs(estimated - measured) <= 0.2 * io + 0.2 * measured, (estimated, measured, io)
+
+
+def test_closed_over_values_wait_for_the_gradients():
+    """`_tie_closed`, what a segment's recompute closes over: integers by
+    `tf_tie`'s select (the values kept), floats (frozen weights, moving
+    statistics) by a control dependency, which copies nothing. Both reach
+    the output only after the gradient."""
+    import tensorflow as tf
+
+    from graphckpt.remat import _tie_closed
+
+    def ancestors(op):
+        seen, todo = set(), [op]
+        while todo:
+            op = todo.pop()
+            for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+                if parent.name not in seen:
+                    seen.add(parent.name)
+                    todo.append(parent)
+        return seen
+
+    @tf.function
+    def tied(weights, ids, gradient):
+        return _tie_closed([weights, ids], [gradient])
+
+    concrete = tied.get_concrete_function(tf.TensorSpec([3, 3]), tf.TensorSpec([4], tf.int32), tf.TensorSpec([2]))
+    weights_out, ids_out = concrete.graph.outputs
+    gradient = concrete.graph.inputs[2].op.name
+    assert gradient in ancestors(weights_out.op) and gradient in ancestors(ids_out.op)
+    assert "Identity" in {weights_out.op.type} | {t.op.type for t in weights_out.op.inputs}  # no select: no copy
+    w, ids = tf.random.normal([3, 3]), tf.constant([1, 2, 3, 4])
+    got_w, got_ids = tied(w, ids, tf.ones([2]))
+    np.testing.assert_array_equal(got_w.numpy(), w.numpy())
+    np.testing.assert_array_equal(got_ids.numpy(), ids.numpy())
