@@ -98,11 +98,17 @@ def densenet121(size=128, classes=10):
     return keras.applications.DenseNet121(weights=None, input_shape=(size, size, 3), classes=classes)
 
 
-def nested_resnet50v2(size=128, classes=10):
+def nested_resnet50v2(size=128, classes=10, frozen_weights=False):
     """Keras's transfer-learning pattern: `keras.applications.ResNet50V2`
     (`include_top=False`, `weights=None`) called as one layer, then global
-    average pooling and a Dense head."""
+    average pooling and a Dense head. `frozen_weights`: the backbone's
+    layers other than BatchNormalization are frozen (the same activations,
+    almost no weight gradients; benchmarks/nested_grads.py)."""
     base = keras.applications.ResNet50V2(include_top=False, weights=None, input_shape=(size, size, 3))
+    if frozen_weights:
+        for layer in base.layers:
+            if not isinstance(layer, layers.BatchNormalization):
+                layer.trainable = False
     inp = keras.Input((size, size, 3), name="image")
     x = layers.GlobalAveragePooling2D()(base(inp))
     return keras.Model(inp, layers.Dense(classes)(x), name="nested_resnet50v2")
