@@ -124,24 +124,33 @@ def tf_remat(f, n_inputs):
     return inner
 
 
+# Integer and boolean values a recompute closes over up to this many
+# elements (seed states: 2) are tied by a select, which copies them.
+_SELECT_MAX_ELEMENTS = 1 << 16
+
+
 def _tie_closed(tensors, gradients):
-    """What a recompute closes over, tied to the gradients: integers and
-    booleans (seed states, token ids, padding masks: small) by `tf_tie`'s
-    select, a data dependency XLA keeps; floats (frozen weights, moving
-    statistics: as large as a segment's weights, which a select would copy)
-    by a control dependency, which costs nothing and orders TensorFlow's
+    """What a recompute closes over, tied to the gradients: small integers
+    and booleans of known size (seed states) by `tf_tie`'s select, a data
+    dependency XLA keeps; everything else (frozen weights, moving
+    statistics, token ids, an attention-mask input of any size) by a
+    control dependency, which copies nothing and orders TensorFlow's
     executor, though not XLA."""
     import tensorflow as tf
 
-    small = [i for i, x in enumerate(tensors) if isinstance(x, tf.Tensor) and not x.dtype.is_floating]
+    def small(x):
+        return not x.dtype.is_floating and x.shape.is_fully_defined() and x.shape.num_elements() <= _SELECT_MAX_ELEMENTS
+
+    dense = [i for i, x in enumerate(tensors) if isinstance(x, tf.Tensor)]
+    selected = [i for i in dense if small(tensors[i])]
     out = list(tensors)
-    for i, x in zip(small, tf_tie([tensors[i] for i in small], gradients)):
+    for i, x in zip(selected, tf_tie([tensors[i] for i in selected], gradients)):
         out[i] = x
     after = [g for g in gradients if g is not None]
-    floats = [i for i, x in enumerate(tensors) if isinstance(x, tf.Tensor) and x.dtype.is_floating]
-    if after and floats:
+    ordered = [i for i in dense if i not in set(selected)]
+    if after and ordered:
         with tf.control_dependencies(after):
-            for i in floats:
+            for i in ordered:
                 out[i] = tf.identity(out[i])
     return out
 

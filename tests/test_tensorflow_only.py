@@ -185,10 +185,11 @@ def test_tanh_gelu_rule_counts_what_tensorflow_keeps():
 
 
 def test_closed_over_values_wait_for_the_gradients():
-    """`_tie_closed`, what a segment's recompute closes over: integers by
-    `tf_tie`'s select (the values kept), floats (frozen weights, moving
-    statistics) by a control dependency, which copies nothing. Both reach
-    the output only after the gradient."""
+    """`_tie_closed`, what a segment's recompute closes over: small
+    integers of known size (seed states) by `tf_tie`'s select (the values
+    kept), everything else (frozen weights, an integer input of any size)
+    by a control dependency, which copies nothing. All reach the output
+    only after the gradient."""
     import tensorflow as tf
 
     from graphckpt.remat import _tie_closed
@@ -204,15 +205,17 @@ def test_closed_over_values_wait_for_the_gradients():
         return seen
 
     @tf.function
-    def tied(weights, ids, gradient):
-        return _tie_closed([weights, ids], [gradient])
+    def tied(weights, seed, mask, gradient):
+        return _tie_closed([weights, seed, mask], [gradient])
 
-    concrete = tied.get_concrete_function(tf.TensorSpec([3, 3]), tf.TensorSpec([4], tf.int32), tf.TensorSpec([2]))
-    weights_out, ids_out = concrete.graph.outputs
-    gradient = concrete.graph.inputs[2].op.name
-    assert gradient in ancestors(weights_out.op) and gradient in ancestors(ids_out.op)
-    assert "Identity" in {weights_out.op.type} | {t.op.type for t in weights_out.op.inputs}  # no select: no copy
-    w, ids = tf.random.normal([3, 3]), tf.constant([1, 2, 3, 4])
-    got_w, got_ids = tied(w, ids, tf.ones([2]))
-    np.testing.assert_array_equal(got_w.numpy(), w.numpy())
-    np.testing.assert_array_equal(got_ids.numpy(), ids.numpy())
+    concrete = tied.get_concrete_function(
+        tf.TensorSpec([3, 3]), tf.TensorSpec([2], tf.int64), tf.TensorSpec([None, 64, 64], tf.int32), tf.TensorSpec([2])
+    )
+    gradient = concrete.graph.inputs[3].op.name
+    for out in concrete.graph.outputs:
+        assert gradient in ancestors(out.op)
+    selects = [op for op in concrete.graph.get_operations() if op.type == "SelectV2"]
+    assert len(selects) == 1 and selects[0].outputs[0].dtype == tf.int64  # only the seed is copied
+    w, seed, mask = tf.random.normal([3, 3]), tf.constant([5, 9], tf.int64), tf.ones([2, 64, 64], tf.int32)
+    for got, want in zip(tied(w, seed, mask, tf.ones([2])), (w, seed, mask)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
