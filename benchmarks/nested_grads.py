@@ -5,8 +5,15 @@ baseline and the default plan, measured (fresh process per run, TensorFlow
 allocator statistics) beside graphckpt's estimate.
 
     PYTHONPATH=. .venv/bin/python benchmarks/nested_grads.py [--repeats 2]
+    PYTHONPATH=. .venv/bin/python benchmarks/nested_grads.py --wait   # in this process
 
-Writes benchmarks/results/nested_grads.json.
+`--wait` separates the two things trainable weights bring: the same
+trainable model, stepped in this process (TensorFlow allocator
+statistics, 3 steps each) once with the optimizer applying the gradients,
+once with each gradient summed to a scalar as soon as it exists and no
+optimizer: the difference is gradients waiting for the optimizer.
+
+Writes benchmarks/results/nested_grads.json (not with `--wait`).
 """
 
 import argparse
@@ -24,10 +31,59 @@ from graphckpt.measure import measure  # noqa: E402
 BATCH = 8
 
 
+def wait():
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import families
+    import graphckpt
+
+    x = tf.constant(np.random.default_rng(0).random((BATCH, 128, 128, 3), dtype="float32"))
+    y = tf.constant(np.random.default_rng(1).random((BATCH, 10), dtype="float32"))
+
+    def peaks(model, apply):
+        optimizer = keras.optimizers.SGD(0.01)
+        optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            if apply:
+                optimizer.apply(grads, model.trainable_variables)
+                return loss
+            return loss + 0.0 * tf.add_n([tf.reduce_sum(g) for g in grads])
+
+        step()
+        step()
+        out = []
+        for _ in range(3):
+            start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            step()
+            out.append((tf.config.experimental.get_memory_info("CPU:0")["peak"] - start) / 2**20)
+        return out
+
+    for method in ("baseline", "graphckpt"):
+        for apply in (True, False):
+            keras.utils.set_random_seed(0)
+            model = families.nested_resnet50v2()
+            model = graphckpt.checkpoint_model(model) if method == "graphckpt" else model
+            got = peaks(model, apply)
+            print(f"{method:9s} {'optimizer applies' if apply else 'summed at once  '}: "
+                  f"{', '.join(f'{p:.1f}' for p in got)} MiB", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--wait", action="store_true", help="apply vs sum the gradients, in this process")
     args = p.parse_args(argv)
+    if args.wait:
+        return wait()
     import families
     import graphckpt
 
