@@ -139,7 +139,11 @@ def _tie_closed(tensors, gradients):
     import tensorflow as tf
 
     def small(x):
-        return not x.dtype.is_floating and x.shape.is_fully_defined() and x.shape.num_elements() <= _SELECT_MAX_ELEMENTS
+        return (
+            (x.dtype.is_integer or x.dtype.is_bool)
+            and x.shape.is_fully_defined()
+            and x.shape.num_elements() <= _SELECT_MAX_ELEMENTS
+        )
 
     dense = [i for i, x in enumerate(tensors) if isinstance(x, tf.Tensor)]
     selected = [i for i in dense if small(tensors[i])]
@@ -147,7 +151,7 @@ def _tie_closed(tensors, gradients):
     for i, x in zip(selected, tf_tie([tensors[i] for i in selected], gradients)):
         out[i] = x
     after = [g for g in gradients if g is not None]
-    ordered = [i for i in dense if i not in set(selected)]
+    ordered = sorted(set(dense) - set(selected))
     if after and ordered:
         with tf.control_dependencies(after):
             for i in ordered:

@@ -16,6 +16,20 @@ from tests import models
 MODES = pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 
 
+def _ancestors(op, control=True):
+    """Name -> op of every op `op` depends on in its graph: through its
+    inputs, and through its control inputs unless `control` is false."""
+    seen, todo = {}, [op]
+    while todo:
+        current = todo.pop()
+        parents = [t.op for t in current.inputs] + (list(current.control_inputs) if control else [])
+        for parent in parents:
+            if parent.name not in seen:
+                seen[parent.name] = parent
+                todo.append(parent)
+    return seen
+
+
 @MODES
 def test_recompute_uses_the_weights_the_forward_pass_read(graph):
     """Weights written between the forward pass and the backward pass (an
@@ -108,15 +122,8 @@ def test_tf_tie_keeps_every_value_and_waits_for_the_gradients():
         return tf_tie([x], [g])[0]
 
     graph = tied.get_concrete_function(tf.TensorSpec([5]), tf.TensorSpec([2, 2])).graph
-    out = graph.outputs[0].op
-    seen, stack = set(), [out]
-    while stack:
-        op = stack.pop()
-        for t in op.inputs:
-            if t.op.name not in seen:
-                seen.add(t.op.name)
-                stack.append(t.op)
-    assert {t.op.name for t in graph.inputs} <= seen  # both x and the gradient reach the output
+    seen = _ancestors(graph.outputs[0].op, control=False)
+    assert {t.op.name for t in graph.inputs} <= seen.keys()  # both x and the gradient reach the output
 
 
 def test_a_recompute_reads_nothing_before_the_gradient_exists():
@@ -146,13 +153,9 @@ def test_a_recompute_reads_nothing_before_the_gradient_exists():
         return tape.gradient(y, ck.trainable_variables)
 
     graph = step.get_concrete_function(tf.TensorSpec((4, 6), tf.int32)).graph
-    ancestors = {}
 
-    def tied(op):
-        if op.name not in ancestors:
-            ancestors[op.name] = False  # no cycles in a graph; guards recursion
-            ancestors[op.name] = op.type == "Bitcast" or any(tied(t.op) for t in op.inputs)
-        return ancestors[op.name]
+    def tied(op):  # a data dependency on the gradients
+        return any(a.type == "Bitcast" for a in _ancestors(op, control=False).values())
 
     for kind in ("StatelessRandomUniformV2", "ResourceGather", "GatherV2"):
         ops = [op for op in graph.get_operations() if op.type == kind]
@@ -194,28 +197,23 @@ def test_closed_over_values_wait_for_the_gradients():
 
     from graphckpt.remat import _tie_closed
 
-    def ancestors(op):
-        seen, todo = set(), [op]
-        while todo:
-            op = todo.pop()
-            for parent in [t.op for t in op.inputs] + list(op.control_inputs):
-                if parent.name not in seen:
-                    seen.add(parent.name)
-                    todo.append(parent)
-        return seen
-
     @tf.function
-    def tied(weights, seed, mask, gradient):
-        return _tie_closed([weights, seed, mask], [gradient])
+    def tied(weights, seed, mask, words, gradient):
+        return _tie_closed([weights, seed, mask, words], [gradient])
 
     concrete = tied.get_concrete_function(
-        tf.TensorSpec([3, 3]), tf.TensorSpec([2], tf.int64), tf.TensorSpec([None, 64, 64], tf.int32), tf.TensorSpec([2])
+        tf.TensorSpec([3, 3]),
+        tf.TensorSpec([2], tf.int64),
+        tf.TensorSpec([None, 64, 64], tf.int32),
+        tf.TensorSpec([2], tf.string),  # no select for strings: a control dependency
+        tf.TensorSpec([2]),
     )
-    gradient = concrete.graph.inputs[3].op.name
+    gradient = concrete.graph.inputs[4].op.name
     for out in concrete.graph.outputs:
-        assert gradient in ancestors(out.op)
+        assert gradient in _ancestors(out.op)
     selects = [op for op in concrete.graph.get_operations() if op.type == "SelectV2"]
     assert len(selects) == 1 and selects[0].outputs[0].dtype == tf.int64  # only the seed is copied
     w, seed, mask = tf.random.normal([3, 3]), tf.constant([5, 9], tf.int64), tf.ones([2, 64, 64], tf.int32)
-    for got, want in zip(tied(w, seed, mask, tf.ones([2])), (w, seed, mask)):
+    words = tf.constant(["a", "b"])
+    for got, want in zip(tied(w, seed, mask, words, tf.ones([2])), (w, seed, mask, words)):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
