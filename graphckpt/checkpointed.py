@@ -55,6 +55,12 @@ def plan_to_config(graph, plan, key_of=None):
         "segments": [[list(ordinal[key_of.get(n, n)]) for n in seg.nodes] for seg in plan.segments],
         "remat": [bool(getattr(seg, "remat", True)) for seg in plan.segments],
     }
+    if any(getattr(seg, "inner", ()) for seg in plan.segments):
+        # Segments cut again: their inner segments' sizes and flags.
+        config["inner"] = [
+            [[len(sub.nodes), bool(sub.remat)] for sub in seg.inner] if seg.inner else None
+            for seg in plan.segments
+        ]
     # Whatever else the plan records (estimates, budget): plain values.
     extra = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
     for name in ("segments", "order", "strategy"):
@@ -77,10 +83,21 @@ def plan_from_config(graph, config):
     kwargs = {}
     if not all(config.get("remat", [True])):
         kwargs["remat"] = config["remat"]
+    if config.get("inner"):
+        kwargs["inner"] = [None if subs is None else _inner_starts(subs) for subs in config["inner"]]
     plan = plan_from_boundaries(graph, order, boundaries, strategy=config["strategy"], **kwargs)
     fields = {f.name for f in dataclasses.fields(plan)}
     info = {k: v for k, v in config.get("info", {}).items() if k in fields}
     return dataclasses.replace(plan, **info)
+
+
+def _inner_starts(subs):
+    """`[[calls, remat], ...]` -> `(starts, remat)`, as `plan_from_boundaries` takes them."""
+    starts, pos = [], 0
+    for calls, _ in subs:
+        starts.append(pos)
+        pos += calls
+    return starts, [remat for _, remat in subs]
 
 
 def _in_source_order(model, own, attribute):

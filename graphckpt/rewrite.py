@@ -106,9 +106,11 @@ def _run_in_call_order(fn, calls):
     return fn
 
 
-def _segment_model(graph, seg, name, policy):
+def _segment_model(graph, seg, name, policy, names):
     """The functional sub-model of one planned segment, with the source
-    model's dtype `policy`."""
+    model's dtype `policy`. A segment cut again (`seg.inner`) holds its
+    recomputed inner segments as `Segment` layers of their own, named from
+    `name` (`names`: `_Names`)."""
     tensors = graph.graph["tensors"]
     values = {}
     inputs = []
@@ -118,7 +120,11 @@ def _segment_model(graph, seg, name, policy):
         values[key] = x
         inputs.append(x)
     calls = []
-    _replay(graph, seg.nodes, values, calls)
+    if seg.inner:
+        for sub in seg.inner:
+            _add_segment(graph, sub, values, calls, policy, names, prefix=f"{name}_")
+    else:
+        _replay(graph, seg.nodes, values, calls)
     outputs = [values[key] for key in seg.outputs]
     sub = keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model")
     # A model's policy sets the autocast scope its layers run in.
@@ -160,15 +166,36 @@ def _source_names(model, graph):
     return names
 
 
-def _segment_name(seg, taken, source_names):
-    """A name for `seg`'s layer whose derived names (`_model`, `_in<k>`)
-    are free too."""
+class _Names:
+    """The names taken in the new model (`taken`), and those of the source
+    model (`source`), which a generated name must not take."""
 
-    def clashes(name):
-        derived = {name, f"{name}_model"} | {f"{name}_in{k}" for k in range(len(seg.inputs))}
-        return bool(derived & source_names)
+    def __init__(self, taken, source, live):
+        self.taken, self.source, self.live = taken, source, live
 
-    return _unique(f"segment_{seg.index}", taken, avoid=clashes)
+    def segment(self, seg, prefix):
+        """A name for `seg`'s layer whose derived names (`_model`,
+        `_in<k>`) are free too."""
+
+        def clashes(name):
+            derived = {name, f"{name}_model"} | {f"{name}_in{k}" for k in range(len(seg.inputs))}
+            return bool(derived & self.source)
+
+        return _unique(f"{prefix}{seg.index}", self.taken, avoid=clashes)
+
+
+def _add_segment(graph, seg, values, calls, policy, names, prefix="segment_"):
+    """Calls `seg`'s layers on `values` (graph tensor key -> tensor): as
+    they are when it is not recomputed, else through a new `Segment`."""
+    if not seg.remat:
+        _replay(graph, seg.nodes, values, calls)
+        return
+    name = names.segment(seg, prefix)
+    sub = _segment_model(graph, seg, name, policy, names)
+    layer = Segment(sub, live_outputs=_live(seg, names.live), name=name, dtype=policy)
+    outs = layer([values[k] for k in seg.inputs])
+    calls.append(keras_compat.inbound_nodes(layer)[-1])
+    values.update(zip(seg.outputs, outs))
 
 
 def _nodes_lengths(graph):
@@ -212,17 +239,9 @@ def rewrite(model, graph, plan, model_class):
         inline = {n for seg in plan.segments if not seg.remat for n in seg.nodes}
         taken |= {graph.nodes[n]["layer"].name for n in inline}
         calls = []
-        live = live_tensors(graph)
+        names = _Names(taken, source_names, live_tensors(graph))
         for seg in plan.segments:
-            if not seg.remat:
-                _replay(graph, seg.nodes, values, calls)
-                continue
-            name = _segment_name(seg, taken, source_names)
-            sub = _segment_model(graph, seg, name, policy)
-            layer = Segment(sub, live_outputs=_live(seg, live), name=name, dtype=policy)
-            outs = layer([values[k] for k in seg.inputs])
-            calls.append(keras_compat.inbound_nodes(layer)[-1])
-            values.update(zip(seg.outputs, outs))
+            _add_segment(graph, seg, values, calls, policy, names)
         outputs = []
         for key, original in zip(graph.graph["outputs"], fn.outputs):
             out = values[key]

@@ -176,7 +176,7 @@ def test_infeasible_budget_names_the_smallest_estimate():
     costs = random_costs(rng, g)
     smallest = smallest_peak(g, costs)
     with pytest.raises(BudgetInfeasible, match=f"smallest estimated peak is {smallest} bytes") as info:
-        plan_for_budget(g, costs, smallest - 1)
+        plan_for_budget(g, costs, smallest - 1, two_level=False)
     assert info.value.smallest_bytes == smallest
     assert plan_for_budget(g, costs, smallest).estimated_peak_bytes <= smallest
 

@@ -1,6 +1,6 @@
 """The pure planner: plan data, the memory model and the searches.
 
 Import flow inside: `data` -> `memory` -> `search` -> `front` ->
-`budget_search`.
+`nested` -> `budget_search`.
 Nothing here imports Keras; `graphckpt.plan` is the public face.
 """

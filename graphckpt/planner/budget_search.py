@@ -3,17 +3,23 @@
 `plan_for_budget` chooses where to cut one topological order of the layer
 calls and which segments to recompute so that the memory model's peak
 (`graphckpt.planner.memory`) fits a budget and the forward cost recomputed
-is least; `smallest_peak` is the least peak any plan reaches. This module
-never imports Keras; it uses numpy.
+is least; `smallest_peak` is the least peak any plan of one level reaches.
+When no plan of one level fits, segments are cut again
+(`graphckpt.planner.nested`). This module never imports Keras; it uses
+numpy.
 """
 
 import dataclasses
+import math
+
+import numpy as np
 
 from graphckpt import errors
 from graphckpt.planner.data import plan_from_boundaries
 from graphckpt.planner.front import least_recompute
 from graphckpt.planner.memory import memory_model_for
-from graphckpt.planner.search import least_fitting_cap
+from graphckpt.planner.nested import plan_two_level, smallest_two_level
+from graphckpt.planner.search import least_fitting_cap, least_held_fits
 
 __all__ = ["BudgetInfeasible", "plan_for_budget", "smallest_peak"]
 
@@ -32,28 +38,6 @@ class BudgetInfeasible(errors.InfeasibleBudgetError):
         self.budget_bytes = budget_bytes
 
 
-def _least_held(spans, cap, forbidden):
-    """Whether some plan fits `cap`: dynamic programming over cut positions
-    keeping, per state, only the least held bytes (enough for feasibility,
-    since later peaks grow with the held bytes)."""
-    import numpy as np
-
-    n = spans.n
-    forbidden = np.asarray(forbidden)
-    inf = np.inf
-    best = np.full((n + 1, 2), inf)  # [b, segment ending at b is kept]
-    best[0, 0] = 0.0
-    for b in range(1, n + 1):
-        free = best[:b, 0]
-        any_ = np.minimum(best[:b, 0], best[:b, 1])
-        ok_remat = (forbidden[b] == forbidden[:b]) & (any_ + spans.inner_remat[:b, b] <= cap)
-        ok_kept = free + spans.inner_kept[:b, b] <= cap
-        r = np.where(ok_remat, any_ + spans.held_remat[:b, b], inf)
-        k = np.where(ok_kept, free + spans.held_kept[:b, b], inf)
-        best[b, 0], best[b, 1] = r.min(), k.min()
-    return bool(np.isfinite(best[n]).any())
-
-
 def _forbidden_prefix(order, keep):
     counts = [0]
     for v in order:
@@ -62,8 +46,10 @@ def _forbidden_prefix(order, keep):
 
 
 def smallest_peak(graph, costs, *, keep=(), memory=None):
-    """The smallest estimated peak of any plan (segments recomputed or not,
-    over the planner's topological order), in bytes.
+    """The smallest estimated peak of any plan of one level (segments
+    recomputed or not, over the planner's topological order), in bytes,
+    exactly. Plans whose segments are cut again may reach lower
+    (`plan_for_budget` says how low when a budget fits neither).
 
     Args:
         graph: the layer-call graph.
@@ -77,10 +63,10 @@ def smallest_peak(graph, costs, *, keep=(), memory=None):
 
 def _smallest(spans, forbidden):
     # One kept segment (the original model) always fits its own peak.
-    return least_fitting_cap(spans.inner_kept[0, spans.n], lambda cap: _least_held(spans, cap, forbidden))
+    return least_fitting_cap(spans.inner_kept[0, spans.n], lambda cap: least_held_fits(spans, cap, forbidden))
 
 
-def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", memory=None):
+def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", memory=None, two_level=True):
     """The plan of least recompute whose estimated peak fits a budget.
 
     Chooses where to cut the layer calls of one topological order into
@@ -109,6 +95,8 @@ def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", m
         strategy: the label stored on the plan.
         memory: a `MemoryModel` of `graph` and `costs` to reuse, if at hand
             (its tables take O(n^2) to build).
+        two_level: when no plan of one level fits, look for one whose
+            recomputed segments are cut again (`graphckpt.planner.nested`).
 
     Returns:
         A `Plan` whose `estimated_peak_bytes` is at most `budget_bytes`.
@@ -132,18 +120,29 @@ def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", m
     """
     spans = memory_model_for(graph, costs, None, memory)
     order = spans.order
-    forbidden = _forbidden_prefix(order, set(keep))
-    found = least_recompute(spans, budget_bytes - costs.fixed, forbidden)
+    forbidden = np.asarray(_forbidden_prefix(order, set(keep)))
+    cap = budget_bytes - costs.fixed
+    found = least_recompute(spans, cap, forbidden)
+    inner = None
+    if found is not None:
+        segments = found[1]
+    elif two_level and spans.n > 1:
+        # No plan of one level fits: cut segments again (`nested`).
+        found = plan_two_level(spans, cap, forbidden)
+        if found is not None:
+            segments, inner = found
     if found is None:
-        smallest = _smallest(spans, forbidden) + costs.fixed
+        smallest = _smallest(spans, forbidden)
+        if two_level and spans.n > 1:
+            smallest = smallest_two_level(spans, forbidden, smallest)
+        smallest = int(math.ceil(smallest + costs.fixed))
         raise BudgetInfeasible(
             f"No plan fits a budget of {budget_bytes} bytes: the smallest estimated peak is {smallest} bytes",
             smallest,
             budget_bytes,
         )
-    _, segments = found
     plan = plan_from_boundaries(
-        graph, order, [a for a, _, _ in segments], strategy=strategy, remat=[r for _, _, r in segments]
+        graph, order, [a for a, _, _ in segments], strategy=strategy, remat=[r for _, _, r in segments], inner=inner
     )
     return dataclasses.replace(
         plan,

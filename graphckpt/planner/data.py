@@ -23,6 +23,13 @@ class PlannedSegment:
     backward; its interior is recomputed). A segment with `remat=False` runs
     its layer calls as they are, keeping what they keep: budget plans and
     recompute policies use such segments for calls not worth recomputing.
+
+    `inner` is empty for a segment of one level. A recomputed segment may be
+    cut again (two-level checkpointing, Chen et al. 2016, section 4.4): its
+    recompute then keeps only the inputs of its `inner` segments, which
+    cover its calls in order and are recomputed again (or, `remat=False`,
+    kept) during its backward pass. Their `inputs` and `outputs` are over
+    the whole graph, as for any segment; their `index` counts from 0 within.
     """
 
     index: int
@@ -30,6 +37,7 @@ class PlannedSegment:
     inputs: tuple
     outputs: tuple
     remat: bool = True
+    inner: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -83,6 +91,11 @@ class Plan:
         """How many segments are recomputed (`remat=True`)."""
         return sum(1 for s in self.segments if s.remat)
 
+    @property
+    def levels(self):
+        """1, or 2 when a segment is cut into inner segments."""
+        return 2 if any(s.inner for s in self.segments) else 1
+
     def __repr__(self):
         parts = [
             f"strategy={self.strategy!r}",
@@ -90,6 +103,8 @@ class Plan:
             f"recomputed={self.num_recomputed}",
             f"layer_calls={self.num_layer_calls}",
         ]
+        if self.levels > 1:
+            parts.append(f"levels={self.levels}")
         for name in ("estimated_peak_bytes", "baseline_peak_bytes", "budget_bytes"):
             value = getattr(self, name)
             if value is not None:
@@ -122,6 +137,12 @@ class Plan:
                 f"  {seg.index:3d}: {len(seg.nodes):4d} calls, {how:13s} {span}  "
                 f"({len(seg.inputs)} tensors in, {len(seg.outputs)} out)"
             )
+            for sub in seg.inner:
+                sub_how = "recomputed again" if sub.remat else "kept"
+                lines.append(
+                    f"       {seg.index}.{sub.index}: {len(sub.nodes):4d} calls, {sub_how:16s} "
+                    f"{_name(sub.nodes[0])} .. {_name(sub.nodes[-1])}"
+                )
             if nodes:
                 lines.extend(f"         {_name(n)}" for n in seg.nodes)
         return "\n".join(lines)
@@ -143,6 +164,7 @@ class Plan:
                     "inputs": [list(t) for t in s.inputs],
                     "outputs": [list(t) for t in s.outputs],
                 }
+                | ({"inner": [{"nodes": len(i.nodes), "remat": i.remat} for i in s.inner]} if s.inner else {})
                 for s in self.segments
             ],
         }
@@ -201,7 +223,7 @@ def tensor_consumers(graph):
     return consumers
 
 
-def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None):
+def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None, inner=None):
     """Builds the `Plan` that cuts `order` at `boundaries`.
 
     Args:
@@ -212,11 +234,17 @@ def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None)
         strategy: a label stored on the plan.
         remat: optional sequence of bools, one per segment: False marks a
             segment whose layer calls run as they are (default: all True).
+        inner: optional sequence, one entry per segment: None (one level),
+            or the inner segments of a recomputed segment as
+            `(starts, remat)`, start positions within the segment
+            beginning with 0 and one flag per inner segment.
     """
     order = tuple(order)
     remat = [True] * len(boundaries) if remat is None else [bool(r) for r in remat]
     if len(remat) != len(boundaries):
         raise ValueError(f"`remat` needs one flag per segment ({len(boundaries)}). Received: {len(remat)} flags")
+    if inner is not None and any(x is not None for x in inner):
+        return _two_level(graph, order, boundaries, strategy, remat, list(inner))
     bounds = list(boundaries) + [len(order)]
     consumers = tensor_consumers(graph)
     tensors = graph.graph["tensors"]
@@ -244,6 +272,36 @@ def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None)
     return Plan(segments=tuple(segments), order=order, strategy=strategy)
 
 
+def _two_level(graph, order, boundaries, strategy, remat, inner):
+    """`plan_from_boundaries` with inner segments: every cut, outer and
+    inner, gives one flat plan, whose segments are then grouped."""
+    if len(inner) != len(boundaries):
+        raise ValueError(f"`inner` needs one entry per segment ({len(boundaries)}). Received: {len(inner)}")
+    bounds = list(boundaries) + [len(order)]
+    starts, flags, owner = [], [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if inner[i] is None:
+            starts.append(a)
+            flags.append(remat[i])
+            owner.append((i, False))
+            continue
+        sub_starts, sub_remat = inner[i]
+        if not remat[i] or list(sub_starts[:1]) != [0] or any(a + s >= b for s in sub_starts):
+            raise ValueError(f"Inner segments of segment {i} must start at 0 and stay in a recomputed segment")
+        starts += [a + s for s in sub_starts]
+        flags += [bool(r) for r in sub_remat]
+        owner += [(i, True)] * len(sub_starts)
+    flat = plan_from_boundaries(graph, order, starts, strategy=strategy, remat=flags)
+    whole = plan_from_boundaries(graph, order, boundaries, strategy=strategy, remat=remat)
+    segments = list(whole.segments)
+    for i in range(len(segments)):
+        subs = [seg for seg, (j, nested) in zip(flat.segments, owner) if j == i and nested]
+        if subs:
+            subs = tuple(dataclasses.replace(seg, index=k) for k, seg in enumerate(subs))
+            segments[i] = dataclasses.replace(segments[i], inner=subs)
+    return dataclasses.replace(whole, segments=tuple(segments))
+
+
 def validate_plan(graph, plan):
     """Raises `AssertionError` if `plan` breaks the module's contract."""
     calls = set(layer_nodes(graph))
@@ -255,10 +313,21 @@ def validate_plan(graph, plan):
             assert pos[u] < pos[v], f"order: {u} after {v}"
     for chain in graph.graph.get("state_chains", ()):
         assert [pos[n] for n in chain] == sorted(pos[n] for n in chain), f"state order: {chain}"
+    _check_ends(graph, plan.segments)
+    for seg in plan.segments:
+        if seg.inner:
+            assert seg.remat, f"inner segments in segment {seg.index}, which is not recomputed"
+            assert tuple(n for sub in seg.inner for n in sub.nodes) == tuple(seg.nodes), f"inner cover {seg.index}"
+            assert not any(sub.inner for sub in seg.inner), f"three levels in segment {seg.index}"
+            _check_ends(graph, seg.inner)
+
+
+def _check_ends(graph, segments):
+    """Each segment's inputs and outputs are the tensors that cross it."""
     tensors = graph.graph["tensors"]
     consumers = tensor_consumers(graph)
     outputs = set(graph.graph["outputs"])
-    for seg in plan.segments:
+    for seg in segments:
         inside = set(seg.nodes)
         want_in = {
             t
@@ -275,4 +344,3 @@ def validate_plan(graph, plan):
         }
         assert set(seg.inputs) == want_in, f"inputs of segment {seg.index}"
         assert set(seg.outputs) == want_out, f"outputs of segment {seg.index}"
-

@@ -35,6 +35,8 @@ def _segment_starts(spans, cap):
     further back than one whose kept peak exceeds `cap` is tried."""
     n = spans.n
     a_min = np.zeros(n + 1, dtype=np.int64)
+    if not getattr(spans, "monotone", True):
+        return a_min  # a longer span may peak lower (`nested`): try every start
     for b in range(1, n + 1):
         over = np.flatnonzero(spans.inner_kept[:b, b] > cap)
         a_min[b] = over[-1] + 1 if over.size else 0

@@ -17,6 +17,7 @@ __all__ = [
     "NodeCosts",
     "SegmentPeak",
     "MemoryModel",
+    "SubSpans",
     "memory_model_for",
     "graph_costs",
     "segment_peaks",
@@ -250,7 +251,9 @@ class MemoryModel:
         held, out = 0.0, []
         bounds = plan.boundaries
         for seg, a, b in zip(plan.segments, bounds, bounds[1:]):
-            inner = self.inner(a, b, seg.remat)
+            inner, cost = self.inner(a, b, seg.remat), self.cost(a, b) if seg.remat else 0.0
+            if seg.inner:
+                inner, cost = self.two_level(a, b, [(len(s.nodes), s.remat) for s in seg.inner])
             h = self.held(a, b, seg.remat)
             out.append(
                 SegmentPeak(
@@ -260,11 +263,38 @@ class MemoryModel:
                     held_bytes=int(round(h)),
                     recompute_peak_bytes=int(round(inner)),
                     peak_bytes=int(round(self.fixed + held + inner)),
-                    recompute_cost=self.cost(a, b) if seg.remat else 0.0,
+                    recompute_cost=cost,
                 )
             )
             held += h
         return tuple(out)
+
+    def two_level(self, a, b, inner):
+        """`(peak, cost)` of recomputing `[a, b)` cut into inner segments
+        (`inner`: `(calls, remat)` each, in order).
+
+        Its recompute keeps only what crosses the inner segments (their
+        outputs, as `held` counts them) plus its own inputs, which it
+        copies; each inner segment's backward then peaks as a segment of one
+        level does, over what the earlier inner segments hold:
+            peak = in(a, b) + max_j (sum_{k<j} held_k + inner_j)
+            cost = cost(a, b) + sum of the recomputed inner segments' costs
+        """
+        peak = held = 0.0
+        cost = self.cost(a, b)
+        c = a
+        for calls, remat in inner:
+            peak = max(peak, held + self.inner(c, c + calls, remat))
+            held += self.held(c, c + calls, remat)
+            cost += self.cost(c, c + calls) if remat else 0.0
+            c += calls
+        if c != b:
+            raise ValueError(f"inner segments cover [{a}, {c}), not the segment [{a}, {b})")
+        return self.copied(a, b) + peak, cost
+
+    def copied(self, a, b):
+        """`in(a, b)`: the inputs a recompute of `[a, b)` copies."""
+        return float(self.inner_remat[a, b] - self.inner_kept[a, b])
 
     def estimated_peak(self, plan):
         """The model's peak of `plan`, in bytes."""
@@ -273,6 +303,21 @@ class MemoryModel:
     def baseline_peak(self):
         """The model's peak without checkpointing: one segment, not recomputed."""
         return int(round(self.fixed + self.inner(0, self.n, False)))
+
+
+class SubSpans:
+    """The span tables of `[a, b)` of a `MemoryModel`, positions counted
+    from `a`: what the searches read to cut a segment again (two levels).
+    Views, not copies."""
+
+    costs = None  # not whole-graph costs: `front` makes no exact-sum shortcut
+
+    def __init__(self, spans, a, b):
+        part = (slice(a, b + 1), slice(a, b + 1))
+        self.n = b - a
+        self.inner_kept, self.inner_remat = spans.inner_kept[part], spans.inner_remat[part]
+        self.held_kept, self.held_remat = spans.held_kept[part], spans.held_remat[part]
+        self.cost_span = spans.cost_span[part]
 
 
 def memory_model_for(graph, costs, order=None, memory=None):

@@ -22,7 +22,7 @@ import numbers
 from graphckpt.planner.data import plan_from_boundaries, topological_order
 from graphckpt.planner.memory import graph_costs, memory_model_for
 
-__all__ = ["SEGMENT_CHOICES", "plan_segments", "least_fitting_cap"]
+__all__ = ["SEGMENT_CHOICES", "plan_segments", "least_fitting_cap", "least_held_fits"]
 
 
 def least_fitting_cap(hi, fits):
@@ -38,6 +38,28 @@ def least_fitting_cap(hi, fits):
         else:
             lo = mid + 1
     return lo
+
+
+def least_held_fits(spans, cap, forbidden):
+    """Whether some plan fits `cap`: dynamic programming over cut positions
+    keeping, per state, only the least held bytes (enough for feasibility,
+    since later peaks grow with the held bytes)."""
+    import numpy as np
+
+    n = spans.n
+    forbidden = np.asarray(forbidden)
+    inf = np.inf
+    best = np.full((n + 1, 2), inf)  # [b, segment ending at b is kept]
+    best[0, 0] = 0.0
+    for b in range(1, n + 1):
+        free = best[:b, 0]
+        any_ = np.minimum(best[:b, 0], best[:b, 1])
+        ok_remat = (forbidden[b] == forbidden[:b]) & (any_ + spans.inner_remat[:b, b] <= cap)
+        ok_kept = free + spans.inner_kept[:b, b] <= cap
+        r = np.where(ok_remat, any_ + spans.held_remat[:b, b], inf)
+        k = np.where(ok_kept, free + spans.held_kept[:b, b], inf)
+        best[b, 0], best[b, 1] = r.min(), k.min()
+    return bool(np.isfinite(best[n]).any())
 
 
 def _fewest_held(spans, k, cap, last_kept):

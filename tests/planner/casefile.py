@@ -147,7 +147,8 @@ def answer(graph, costs, query):
         return _plan_answer(graph, plan, costs)
     if kind == "budget":
         try:
-            plan = plan_for_budget(graph, costs, query["budget_bytes"], keep=keep)
+            # As recorded: plans of one level (no segment cut again).
+            plan = plan_for_budget(graph, costs, query["budget_bytes"], keep=keep, two_level=False)
         except BudgetInfeasible as e:
             return {"infeasible": int(e.smallest_bytes)}
         return _plan_answer(graph, plan, costs)
