@@ -183,7 +183,10 @@ def _is_batched(x):
 
 
 def _plan_key(the_plan):
-    return tuple((seg.nodes, getattr(seg, "remat", True)) for seg in the_plan.segments)
+    def inner(seg):
+        return tuple((len(sub.nodes), sub.remat) for sub in getattr(seg, "inner", ()))
+
+    return tuple((seg.nodes, getattr(seg, "remat", True), inner(seg)) for seg in the_plan.segments)
 
 
 def _twin_for(model, planner_kwargs):

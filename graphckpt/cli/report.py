@@ -73,6 +73,16 @@ def describe(model, graph, plan, batch_size=None):
                 "last": calls[-1],
                 "num_calls": len(calls),
                 "calls": calls,
+                # A segment cut again (two levels): its inner segments.
+                "inner": [
+                    {
+                        "first": names[sub.nodes[0]],
+                        "last": names[sub.nodes[-1]],
+                        "num_calls": len(sub.nodes),
+                        "recomputed": bool(sub.remat),
+                    }
+                    for sub in getattr(seg, "inner", ())
+                ],
                 "layers": layers,
                 "inputs": boundary(seg.inputs),
                 "boundary": boundary(seg.outputs),
