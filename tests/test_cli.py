@@ -365,6 +365,35 @@ def test_inspect_with_a_budget(capsys, files):
     check_coverage(info, keras.saving.load_model(files["chain"]))
 
 
+def test_inspect_shows_segments_cut_again(capsys, tmp_path):
+    """A budget below what plans of one level reach: the JSON lists each
+    segment's inner segments (covering its calls), the table writes them
+    as `calls = a+b*`."""
+    from graphckpt.estimate import node_costs
+    from graphckpt.plan import smallest_peak
+
+    model = models.chain(depth=24, bn=True)
+    path = tmp_path / "chain24.keras"
+    model.save(path)
+    graph = build_graph(model)
+    budget = int(0.95 * smallest_peak(graph, node_costs(graph, 4)))
+    code, out, err = run_main(capsys, "inspect", path, "--budget", budget, "--batch-size", 4, "--format", "json")
+    assert code == 0, err
+    info = json.loads(out)
+    cut = [s for s in info["segments"] if s["inner"]]
+    assert cut and all(s["recomputed"] for s in cut)
+    for seg in cut:
+        assert sum(sub["num_calls"] for sub in seg["inner"]) == seg["num_calls"]
+        assert seg["inner"][0]["first"] == seg["first"] and seg["inner"][-1]["last"] == seg["last"]
+    assert info["totals"]["plan_bytes"] <= budget
+    code, out, err = run_main(capsys, "inspect", path, "--budget", budget, "--batch-size", 4)
+    assert code == 0, err
+    first = cut[0]
+    parts = "+".join(str(sub["num_calls"]) + ("" if sub["recomputed"] else "*") for sub in first["inner"])
+    assert f"{first['num_calls']} = {parts}" in out
+    assert "cut again (two levels)" in out
+
+
 def test_import_option(capsys, files):
     code, _, err = run_main(capsys, "inspect", files["chain"], "--import", "tests.models")
     assert code == 0, err

@@ -173,7 +173,10 @@ def render_table(info, console):
     for seg in info["segments"]:
         boundary = "\n".join(f"{b['tensor']} {_shape(b['shape'])}" for b in seg["boundary"]) or "-"
         index = str(seg["index"]) + ("" if seg["recomputed"] else "*")
-        row = (seg["first"], seg["last"], str(seg["num_calls"]), boundary)
+        calls = str(seg["num_calls"])
+        if seg["inner"]:  # cut again: inner segments' calls, `+`-separated
+            calls += " = " + "+".join(f"{sub['num_calls']}" + ("" if sub["recomputed"] else "*") for sub in seg["inner"])
+        row = (seg["first"], seg["last"], calls, boundary)
         table.add_row(index, *row, _bytes(seg["kept_bytes"]), _bytes(seg["peak_bytes"]))
     console.print(table)
     totals = info["totals"]
@@ -187,6 +190,11 @@ def render_table(info, console):
         console.print(f"estimated conservatively (unknown layers): {', '.join(totals['unknown_layers'])}")
     if any(not s["recomputed"] for s in info["segments"]):
         console.print("* runs inline, not recomputed: its layer calls run as they are and keep what they keep")
+    if any(s["inner"] for s in info["segments"]):
+        console.print(
+            "a = b+c: a segment cut again (two levels): its recompute keeps only its inner segments' inputs, "
+            "and each inner segment is recomputed once more (* kept: run as it is in that recompute)"
+        )
 
 
 def render_comparison(comparison, console, plan=None):
