@@ -34,7 +34,7 @@ from graphckpt.planner.search import least_held_fits
 __all__ = ["plan_two_level", "smallest_two_level", "GRID", "MAX_SPAN"]
 
 GRID = 128  # caps at which each span's two-level peak is found
-MAX_SPAN = 256  # the most layer calls of a segment cut again
+MAX_SPAN = 128  # the most layer calls of a segment cut again
 
 
 def _inner_peaks(spans, cap, grid=GRID, max_span=MAX_SPAN):
@@ -67,6 +67,14 @@ def _inner_peaks(spans, cap, grid=GRID, max_span=MAX_SPAN):
     return P
 
 
+def _one_call_floor(spans):
+    """A bound no plan goes below, of any number of levels: the largest of
+    one call's kept bytes plus its backward workspace (every segment that
+    holds the call peaks at least there)."""
+    calls = np.arange(spans.n)
+    return float(np.max(spans.inner_kept[calls, calls + 1] - spans.held_remat[calls, calls + 1]))
+
+
 class _TwoLevelSpans:
     """The span tables of the outer plan: a recomputed span marked in `cut`
     peaks as it does cut again, and costs two forward passes."""
@@ -94,7 +102,7 @@ def plan_two_level(spans, cap, forbidden):
     Returns `(segments, inner)`: `segments` as `front.least_recompute`
     gives them (`(a, b, remat)`), `inner` one entry per segment, None or
     `(starts, remat)` within the segment."""
-    if cap <= 0:
+    if cap < _one_call_floor(spans):
         return None
     P = _inner_peaks(spans, cap)
     for everywhere in (False, True):
@@ -123,13 +131,16 @@ def _inner_plans(spans, view, segments, cap):
 
 
 def smallest_two_level(spans, forbidden, hi, rtol=0.01):
-    """About the least peak (within `rtol`, from above) of any plan whose
-    segments may be cut again; `hi` is one that fits (the least peak of one
-    level)."""
+    """About the least peak (within `rtol` and 1/GRID of `hi`, from above) of
+    any plan whose segments may be cut again; `hi` is one that fits (the
+    least peak of one level). The spans' two-level peaks are found once, at
+    caps up to `hi`; the bisection then runs the outer feasibility test
+    alone."""
+    P = _inner_peaks(spans, hi)
     lo = 0.0
     while hi - lo > rtol * hi:
         mid = (lo + hi) / 2
-        if least_held_fits(_TwoLevelSpans(spans, _inner_peaks(spans, mid), True, mid), mid, forbidden):
+        if least_held_fits(_TwoLevelSpans(spans, P, True, mid), mid, forbidden):
             hi = mid
         else:
             lo = mid

