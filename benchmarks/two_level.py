@@ -9,7 +9,7 @@ in-process BFC peak (`graphckpt.measure`). Prints, per method, the plan
 (segments, levels), its estimate against the budget, and the measured peak
 and step time as ratios of the baseline's (medians).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/two_level.py [--families dense,cnn] [--repeats 3]
+    PYTHONPATH=. .venv/bin/python benchmarks/two_level.py [--families dense,cnn] [--repeats 3] [--backend jax]
 """
 
 import argparse
@@ -57,7 +57,7 @@ def _floor(fam):
     return smallest_peak(graph, costs, memory=memory), memory.baseline_peak()
 
 
-def run(name, fam, repeats, steps, warmup):
+def run(name, fam, repeats, steps, warmup, backend="tensorflow"):
     floor, baseline = _floor(fam)
     specs = [("baseline", dict(method="baseline"), None)]
     budgets = [("one level, least peak", int(floor))] + [(f"budget {b}", b) for b in fam["budgets"]]
@@ -70,7 +70,7 @@ def run(name, fam, repeats, steps, warmup):
     for rnd in range(repeats):
         for label, spec, _ in specs:
             m = measure(f"{FAMILIES_PY}:{fam['builder']}", batch_size=fam["batch"], builder_kwargs=fam["kwargs"],
-                        label=label, steps=steps, warmup=warmup, check=False, **spec)
+                        label=label, steps=steps, warmup=warmup, check=False, backend=backend, **spec)
             runs.append(dict(m.to_dict(), round=rnd))
             msg = f"peak {format_bytes(m.peak_bytes):>10} step {m.step_time_s:.3f} s" if m.ok else f"FAILED {m.error[:200]}"
             print(f"  [r{rnd}] {label:24s} {msg}", flush=True)
@@ -101,7 +101,7 @@ def run(name, fam, repeats, steps, warmup):
               f"(budget x{row['budget_ratio']:.3f}); measured x{row['peak_ratio']:.3f} "
               f"({format_bytes(peak)}, {row['peak_over_estimate']:.2f} of its estimate), time x{row['time_ratio']:.2f}",
               flush=True)
-    return dict(family=name, builder=fam["builder"], kwargs=fam["kwargs"], batch=fam["batch"],
+    return dict(family=name, backend=backend, builder=fam["builder"], kwargs=fam["kwargs"], batch=fam["batch"],
                 baseline_peak_bytes=base_peak, estimated_baseline_bytes=baseline, rows=rows, runs=runs)
 
 
@@ -111,10 +111,16 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "two_level.json"))
+    p.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default="tensorflow",
+                   help="of the measured processes (the plans are made on TensorFlow's estimates alike)")
+    p.add_argument("--out", default=None, help="default: results/two_level.json (results/<backend>/ for JAX, PyTorch)")
     args = p.parse_args(argv)
+    if args.out is None:
+        sub = () if args.backend == "tensorflow" else (args.backend,)
+        args.out = os.path.join(HERE, "results", *sub, "two_level.json")
     t0 = time.time()
-    results = [run(n, FAMILIES[n], args.repeats, args.steps, args.warmup) for n in args.families.split(",")]
+    results = [run(n, FAMILIES[n], args.repeats, args.steps, args.warmup, args.backend) for n in args.families.split(",")]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(date=time.strftime("%Y-%m-%d"), results=results), f, indent=1)
     print(f"-> {args.out} ({time.time() - t0:.0f} s)")
