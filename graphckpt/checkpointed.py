@@ -333,10 +333,17 @@ class CheckpointedModel(keras.Model):
             f"Segments: {len(rows)} over {self.plan.num_layer_calls} layer calls. In training, a "
             "segment keeps only its inputs for backward and recomputes its layers once."
         ]
-        for name, remat, names in rows:
+        cut = {seg.index: seg.inner for seg in self.plan.segments if getattr(seg, "inner", ())}
+        for index, (name, remat, names) in enumerate(rows):
             count = f"{len(names)} layer" + ("" if len(names) == 1 else "s")
             note = "" if remat else ", not recomputed"
             lines.append(f"  {name} ({count}{note}): {', '.join(names)}")
+            if index in cut:
+                parts = [
+                    f"{len(sub.nodes)} call" + ("" if len(sub.nodes) == 1 else "s") + ("" if sub.remat else " kept")
+                    for sub in cut[index]
+                ]
+                lines.append(f"    cut again (two levels), each part recomputed once more unless kept: {' | '.join(parts)}")
         print_fn("\n".join(lines))
 
 
