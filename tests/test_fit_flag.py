@@ -47,11 +47,12 @@ def segments_of(model):
     return [] if cache is None else [s for twin in cache.twins.values() for s in twin.segments]
 
 
-def fit_twice(build, fit_kwargs, compile_kwargs=None, flag=True):
-    """Plain fit on one fresh model, flagged fit on another; same seeds."""
+def fit_twice(build, fit_kwargs, compile_kwargs=None, flag=True, **flag_kwargs):
+    """Plain fit on one fresh model, flagged fit on another (`flag_kwargs`:
+    more arguments of the flagged fit, e.g. `budget=`); same seeds."""
     compile_kwargs = compile_kwargs or {"optimizer": "adam", "loss": "mse", "metrics": ["mae"]}
     out = []
-    for kwargs in ({}, {"gradient_checkpointing": flag}):
+    for kwargs in ({}, {"gradient_checkpointing": flag, **flag_kwargs}):
         model = build()
         model.compile(**compile_kwargs)
         keras.utils.set_random_seed(11)  # same dropout masks in both runs

@@ -8,13 +8,14 @@ import pytest
 from keras import layers, ops
 
 import graphckpt
+from graphckpt import fit as fit_flag
 from graphckpt.checkpointed import checkpointed_model
 from graphckpt.estimate import node_costs
 from graphckpt.graph import build_graph
 from graphckpt.plan import plan_from_boundaries, smallest_peak, topological_order, validate_plan
 from graphckpt.segment import Segment
 from tests import models
-from tests.helpers import BACKEND, compare_step, jax_loss_fn, train_step
+from tests.helpers import BACKEND, compare_step, jax_loss_fn, state_of, train_step
 
 pytestmark = pytest.mark.backends
 
@@ -157,29 +158,23 @@ def test_a_two_level_model_saves_and_loads(tmp_path):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-def _fit(flag, budget=None):
-    """Loss history and final weights of 3 epochs of `fit` (Adam, Dropout,
-    BatchNorm), with or without the flag, from the same seed."""
-    keras.utils.set_random_seed(1)
-    model = models.chain(depth=24, dropout=0.2, bn=True)
-    model.compile(optimizer="adam", loss="mse")
+def test_the_fit_flag_with_a_budget_below_one_level_trains_exactly(installed):
+    """Adam, Dropout and BatchNorm, 3 epochs: the loss history and the whole
+    state (weights, statistics, seeds) of plain `fit`."""
+    from tests.test_fit_flag import fit_twice
+
+    def build():
+        keras.utils.set_random_seed(1)
+        return models.chain(depth=24, dropout=0.2, bn=True)
+
+    graph = build_graph(build())
+    budget = int(0.95 * smallest_peak(graph, node_costs(graph, BATCH)))
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 16)).astype("float32"), rng.normal(size=(32, 2)).astype("float32")
-    kwargs = dict(gradient_checkpointing=True, budget=budget) if flag else {}
-    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, **kwargs)
-    return model, history.history["loss"], [np.array(ops.convert_to_numpy(v.value)) for v in model.trainable_variables]
-
-
-def test_the_fit_flag_with_a_budget_below_one_level_trains_exactly(installed):
-    from graphckpt import fit as fit_flag
-
-    model = models.chain(depth=24, dropout=0.2, bn=True)
-    graph = build_graph(model)
-    budget = int(0.95 * smallest_peak(graph, node_costs(graph, BATCH)))
-    _, plain, plain_weights = _fit(False)
-    model, flagged, flagged_weights = _fit(True, budget)
+    fit = dict(x=x, y=y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    (plain, h0), (model, h1) = fit_twice(build, fit, {"optimizer": "adam", "loss": "mse"}, budget=budget)
     (twin,) = model.__dict__[fit_flag._CACHE_ATTR].twins.values()
     assert twin.model.plan.levels == 2
-    np.testing.assert_allclose(flagged, plain, rtol=1e-6)
-    for a, b in zip(flagged_weights, plain_weights):
+    np.testing.assert_allclose(h1.history["loss"], h0.history["loss"], rtol=1e-6)
+    for a, b in zip(state_of(model), state_of(plain)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -278,28 +278,29 @@ def _two_level(graph, order, boundaries, strategy, remat, inner):
     if len(inner) != len(boundaries):
         raise ValueError(f"`inner` needs one entry per segment ({len(boundaries)}). Received: {len(inner)}")
     bounds = list(boundaries) + [len(order)]
-    starts, flags, owner = [], [], []
+    starts, flags, owner = [], [], []  # owner: the segment cut again, else None
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         if inner[i] is None:
             starts.append(a)
             flags.append(remat[i])
-            owner.append((i, False))
+            owner.append(None)
             continue
         sub_starts, sub_remat = inner[i]
         if not remat[i] or list(sub_starts[:1]) != [0] or any(a + s >= b for s in sub_starts):
             raise ValueError(f"Inner segments of segment {i} must start at 0 and stay in a recomputed segment")
         starts += [a + s for s in sub_starts]
         flags += [bool(r) for r in sub_remat]
-        owner += [(i, True)] * len(sub_starts)
+        owner += [i] * len(sub_starts)
     flat = plan_from_boundaries(graph, order, starts, strategy=strategy, remat=flags)
+    subs = {}
+    for seg, i in zip(flat.segments, owner):
+        if i is not None:
+            subs.setdefault(i, []).append(dataclasses.replace(seg, index=len(subs.get(i, ()))))
     whole = plan_from_boundaries(graph, order, boundaries, strategy=strategy, remat=remat)
-    segments = list(whole.segments)
-    for i in range(len(segments)):
-        subs = [seg for seg, (j, nested) in zip(flat.segments, owner) if j == i and nested]
-        if subs:
-            subs = tuple(dataclasses.replace(seg, index=k) for k, seg in enumerate(subs))
-            segments[i] = dataclasses.replace(segments[i], inner=subs)
-    return dataclasses.replace(whole, segments=tuple(segments))
+    segments = tuple(
+        dataclasses.replace(seg, inner=tuple(subs[i])) if i in subs else seg for i, seg in enumerate(whole.segments)
+    )
+    return dataclasses.replace(whole, segments=segments)
 
 
 def validate_plan(graph, plan):

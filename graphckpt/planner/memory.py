@@ -251,9 +251,10 @@ class MemoryModel:
         held, out = 0.0, []
         bounds = plan.boundaries
         for seg, a, b in zip(plan.segments, bounds, bounds[1:]):
-            inner, cost = self.inner(a, b, seg.remat), self.cost(a, b) if seg.remat else 0.0
             if seg.inner:
                 inner, cost = self.two_level(a, b, [(len(s.nodes), s.remat) for s in seg.inner])
+            else:
+                inner, cost = self.inner(a, b, seg.remat), (self.cost(a, b) if seg.remat else 0.0)
             h = self.held(a, b, seg.remat)
             out.append(
                 SegmentPeak(
