@@ -203,8 +203,11 @@ def plan(
             activation memory: an int of bytes, a string such as `"512MiB"`,
             `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a
             fraction of the estimated peak without checkpointing. The plan
-            of least recompute (forward FLOPs) that fits is chosen; calls
-            are recomputed only where memory requires it. A budget at or
+            of least estimated recompute time that fits is chosen
+            (`graphckpt.cost_model`; on TensorFlow a segment's last calls
+            whose backward needs only their inputs, such as a convolution,
+            are not run again): calls are recomputed only where memory
+            requires it. A budget at or
             above the baseline leaves the model unchanged, with a warning.
         batch_size: the batch size to estimate memory for (default: the
             batch dimension of `input_shape`, else the model's fixed batch
@@ -278,8 +281,11 @@ def checkpoint_model(
             activation memory: an int of bytes, a string such as `"512MiB"`,
             `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a
             fraction of the estimated peak without checkpointing. The plan
-            of least recompute (forward FLOPs) that fits is chosen; calls
-            are recomputed only where memory requires it. A budget at or
+            of least estimated recompute time that fits is chosen
+            (`graphckpt.cost_model`; on TensorFlow a segment's last calls
+            whose backward needs only their inputs, such as a convolution,
+            are not run again): calls are recomputed only where memory
+            requires it. A budget at or
             above the baseline leaves the model unchanged, with a warning.
         batch_size: the batch size to estimate memory for (default: the
             batch dimension of `input_shape`, else the model's fixed batch

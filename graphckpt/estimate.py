@@ -38,7 +38,7 @@ import math
 import keras
 import networkx as nx
 
-from graphckpt import errors, keras_compat, keras_rules, layers_inside, rules
+from graphckpt import cost_model, errors, keras_compat, keras_rules, layers_inside, rules
 from graphckpt.graph import build_graph, functional_of
 from graphckpt.keras_rules import is_expensive
 from graphckpt.plan import (
@@ -77,6 +77,11 @@ class CallEstimate:
         expensive: matmul-like (Dense, convolutions, attention, RNNs): what
             the `save_expensive` policy never recomputes.
         rule: the name of the rule used; `"unknown"` for a guess.
+        seconds: estimated seconds of one forward run
+            (`graphckpt.cost_model`): what the planner prices recompute by.
+        prunable: its recompute is skipped when nothing else in its segment
+            reads its outputs (`graphckpt.rules.LayerRule.prunable`), on a
+            backend whose compiler drops unread ops (TensorFlow, JAX).
     """
 
     node: tuple
@@ -86,6 +91,8 @@ class CallEstimate:
     flops: float
     expensive: bool
     rule: str
+    seconds: float = 0.0
+    prunable: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +109,12 @@ class MemoryEstimate:
             held before it, bytes it holds, its recompute peak and its peak.
         calls: one `CallEstimate` per layer call, in the planner's order.
         forward_flops: the model's forward cost.
-        recompute_flops: the forward cost the plan recomputes.
+        recompute_flops: the forward FLOPs the plan recomputes (calls pruned
+            from a recompute left out).
         unknown_layers: classes estimated by the conservative fallback.
+        forward_seconds: the model's forward time, estimated.
+        recompute_seconds: the forward time the plan recomputes, estimated:
+            what the planner minimizes under a budget.
     """
 
     batch_size: int | None
@@ -116,6 +127,8 @@ class MemoryEstimate:
     forward_flops: float
     recompute_flops: float
     unknown_layers: tuple
+    forward_seconds: float = 0.0
+    recompute_seconds: float = 0.0
 
     @property
     def ratio(self):
@@ -218,6 +231,7 @@ def _costs(graph, batch_size):
     scale = batch_size or 1
     tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
     saved, internal, workspace, compute, by_call = set(), {}, {}, {}, {}
+    prunable, prunes = set(), cost_model.backend_prunes()
     for key in topological_order(graph):
         data = graph.nodes[key]
         ins = [tensors[k] for k in data["in_keys"]]
@@ -231,7 +245,9 @@ def _costs(graph, batch_size):
         if batch_size is not None:
             params = _param_bytes(data["layer"]) if rule.param_bytes is None else rule.param_bytes
             workspace[key] += int(_WORKSPACE_PARAMS * params)
-        compute[key] = rule.flops * scale
+        compute[key] = cost_model.call_seconds(data["class_name"], rule, ins, outs, batch_size)
+        if prunes and rule.is_prunable:
+            prunable.add(key)
     out_bytes = sum(tensor_bytes[k] for k in graph.graph["outputs"])
     costs = NodeCosts(
         tensor_bytes=tensor_bytes,
@@ -241,6 +257,8 @@ def _costs(graph, batch_size):
         compute=compute,
         fixed=int(_FIXED_OUTPUTS * out_bytes),
         per_example=batch_size is None,
+        prunable=frozenset(prunable),
+        segment_cost=cost_model.segment_seconds(),
     )
     calls = []
     for key, rule in by_call.items():
@@ -252,9 +270,11 @@ def _costs(graph, batch_size):
                 class_name=graph.nodes[key]["class_name"],
                 kept_bytes=int(kept),
                 workspace_bytes=workspace[key],
-                flops=compute[key],
+                flops=rule.flops * scale,
                 expensive=rule.expensive,
                 rule=rule.name,
+                seconds=compute[key],
+                prunable=key in costs.prunable,
             )
         )
     return costs, tuple(calls)
@@ -350,7 +370,7 @@ def estimate(
     memory = MemoryModel(graph, costs)  # one O(n^2) table for the three estimates below
     baseline = baseline_peak(graph, costs, memory=memory)
     if plan is None:
-        segments, peak, recompute = (), baseline, 0.0
+        segments, peak, recompute, recompute_flops = (), baseline, 0.0, 0.0
     else:
         if not isinstance(plan, Plan):
             raise errors.InvalidArgumentTypeError(
@@ -360,6 +380,7 @@ def estimate(
         segments = segment_peaks(graph, plan, costs, memory=memory)
         peak = max(s.peak_bytes for s in segments)
         recompute = sum(s.recompute_cost for s in segments)
+        recompute_flops = _recompute_flops(graph, plan, calls)
     by_node = {c.node: c for c in calls}
     return MemoryEstimate(
         batch_size=batch_size,
@@ -370,6 +391,30 @@ def estimate(
         segments=segments,
         calls=tuple(by_node[n] for n in memory.order),
         forward_flops=sum(c.flops for c in calls),
-        recompute_flops=recompute,
+        recompute_flops=recompute_flops,
         unknown_layers=tuple(sorted({c.class_name for c in calls if c.rule == "unknown"})),
+        forward_seconds=sum(c.seconds for c in calls),
+        recompute_seconds=recompute,
     )
+
+
+def _recompute_flops(graph, plan, calls):
+    """The FLOPs a plan recomputes, counted as the memory model counts its
+    cost: each recomputed segment (and inner segment) runs its calls once
+    more, less the dead ones: prunable calls that no call of the segment
+    reads, or only dead ones do."""
+    by_node = {c.node: c for c in calls}
+
+    def recomputed(nodes):
+        inside, dead = set(nodes), set()
+        for v in reversed(nodes):  # readers first
+            if by_node[v].prunable and all(w in dead for w in graph.successors(v) if w in inside):
+                dead.add(v)
+        return sum(by_node[v].flops for v in nodes if v not in dead)
+
+    total = 0.0
+    for segment in plan.segments:
+        if segment.remat:
+            total += recomputed(segment.nodes)
+            total += sum(recomputed(inner.nodes) for inner in segment.inner if inner.remat)
+    return total

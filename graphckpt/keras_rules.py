@@ -174,7 +174,11 @@ def _average(layer, ins, outs):
 
 
 def _batch_norm(layer, ins, outs):
-    return LayerRule(all_indices(ins), frozenset(), 0.0, 5.0 * sum(elems(o) for o in outs), name="batch norm")
+    """The input; the batch statistics, which the backward reads from the
+    forward op (so its recompute is never pruned), are negligible."""
+    return LayerRule(
+        all_indices(ins), frozenset(), 0.0, 5.0 * sum(elems(o) for o in outs), name="batch norm", prunable=False
+    )
 
 
 def _norm_statistics(layer, ins, outs):

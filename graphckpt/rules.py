@@ -42,6 +42,11 @@ class LayerRule:
             the size of `internal`, parameter gradients in flight).
         param_bytes: parameters whose gradients are in flight; None for the
             layer's own trainable weights.
+        prunable: whether its backward needs nothing its forward computes
+            (only its inputs and weights), so that a graph compiler skips
+            its recompute when nothing else in the segment reads its
+            outputs (a Dense or convolution without activation, an Add);
+            None: when it keeps no output and no internal buffer.
     """
 
     saved_inputs: frozenset = frozenset()
@@ -52,6 +57,13 @@ class LayerRule:
     name: str = "free"
     workspace: float | None = None
     param_bytes: int | None = None
+    prunable: bool | None = None
+
+    @property
+    def is_prunable(self):
+        if self.prunable is not None:
+            return self.prunable
+        return not self.saved_outputs and not self.internal
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,6 +108,9 @@ def describe(model, graph, plan, batch_size=None):
             "plan_bytes": memory.peak_bytes,
             "ratio": memory.ratio,
             "recompute_fraction": memory.recompute_flops / memory.forward_flops if memory.forward_flops else 0.0,
+            "recompute_time_fraction": (
+                memory.recompute_seconds / memory.forward_seconds if memory.forward_seconds else 0.0
+            ),
             "unknown_layers": list(memory.unknown_layers),
             "estimate": "graphckpt.estimate: peak training-step activation memory, from static shapes",
         },
@@ -185,7 +188,10 @@ def render_table(info, console):
         f"estimated peak training-step memory ({info['bytes_are']}): "
         f"baseline {_bytes(totals['baseline_bytes'])}, plan {_bytes(totals['plan_bytes'])}{ratio}"
     )
-    console.print(f"recomputed in backward: {totals['recompute_fraction']:.0%} of the forward FLOPs")
+    console.print(
+        f"recomputed in backward: {totals['recompute_fraction']:.0%} of the forward FLOPs, "
+        f"about {totals['recompute_time_fraction']:.0%} of its time"
+    )
     if totals["unknown_layers"]:
         console.print(f"estimated conservatively (unknown layers): {', '.join(totals['unknown_layers'])}")
     if any(not s["recomputed"] for s in info["segments"]):

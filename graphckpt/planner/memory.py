@@ -42,9 +42,16 @@ class NodeCosts:
             tensors: pre-activations, dropout masks, attention scores...
         workspace: layer call -> transient bytes of its backward step
             (input and parameter gradients, temporaries).
-        compute: layer call -> cost of running it forward once (FLOPs).
+        compute: layer call -> cost of running it forward once (the
+            estimator's: seconds by `graphckpt.cost_model`; any unit will do).
         fixed: bytes every plan pays alike (the loss, the batch's gradients).
         per_example: whether the bytes are per example.
+        prunable: layer calls whose recompute costs nothing when no call of
+            their segment reads their outputs: their backward needs only
+            their inputs, and the backend's graph compiler drops a forward
+            op whose result nothing reads (TensorFlow's graph runtime, XLA).
+        segment_cost: the cost of recomputing any segment besides its calls'
+            (dispatch), so that a segment of pruned calls is not free.
     """
 
     tensor_bytes: dict
@@ -54,6 +61,8 @@ class NodeCosts:
     compute: dict
     fixed: int = 0
     per_example: bool = False
+    prunable: frozenset = frozenset()
+    segment_cost: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +82,8 @@ class SegmentPeak:
             what its calls keep (recomputed, when `remat`), plus the
             gradients of its outputs and the largest backward workspace.
         peak_bytes: `fixed + held_before + recompute_peak`.
-        recompute_cost: forward cost recomputed for it (0 when not `remat`).
+        recompute_cost: forward cost recomputed for it (0 when not `remat`;
+            calls pruned from its recompute left out).
     """
 
     index: int
@@ -208,7 +218,36 @@ class MemoryModel:
         del in_
         self.held_kept = kept_span + unsaved_out
         self.held_remat = out
-        self.cost_span = compute_prefix[None, :] - compute_prefix[:, None]
+        self.cost_span = compute_prefix[None, :] - compute_prefix[:, None] - self._pruned(graph, order, pos, comp)
+        self.cost_span += costs.segment_cost
+
+    def _pruned(self, graph, order, pos, comp):
+        """`[a, b]` -> the cost of the calls of `[a, b)` pruned from its
+        recompute. A prunable call is dead in a segment when every call of
+        the segment that reads it is dead too (a convolution read only by
+        the segment's closing Add): the runtime drops it. Whether the call
+        at `i` is dead depends only on `b` (its readers come after it): it
+        is for `i < b <= last[i]`, `last[i]` the least over its readers of
+        their own `last` (prunable readers) or position (the others), `n`
+        for a call nothing reads."""
+        import numpy as np
+
+        n = self.n
+        prunable = self.costs.prunable
+        last = [0] * n
+        for i in reversed(range(n)):
+            readers = [pos[w] for w in graph.successors(order[i]) if w in pos]
+            last[i] = min((last[j] if order[j] in prunable else j for j in readers), default=n)
+        diff = np.zeros((n + 2, n + 2))
+        for i, v in enumerate(order):
+            if v not in prunable or not comp[i]:
+                continue
+            c = comp[i]
+            diff[0, i + 1] += c
+            diff[0, last[i] + 1] -= c
+            diff[i + 1, i + 1] -= c
+            diff[i + 1, last[i] + 1] += c
+        return np.cumsum(np.cumsum(diff, axis=0), axis=1)[: n + 1, : n + 1]
 
     # For the search over segment counts (`segments="auto"`), made when
     # first read: columns as contiguous rows, and spans [a, b) with a >= b
@@ -240,7 +279,8 @@ class MemoryModel:
         return float((self.held_remat if remat else self.held_kept)[a, b])
 
     def cost(self, a, b):
-        """The forward cost of recomputing the calls of `[a, b)`."""
+        """The forward cost of recomputing the calls of `[a, b)`, pruned
+        calls left out."""
         return float(self.cost_span[a, b])
 
     def segment_peaks(self, plan):

@@ -1,0 +1,101 @@
+"""The estimator's time model: what recomputing one layer call costs.
+
+FLOPs alone price a BatchNormalization, a ReLU or an Add at almost nothing
+next to a convolution; on a CPU those calls are bound by memory traffic and
+take a real share of the step (about 40% of the forward time of the
+benchmark families, for 1% of their FLOPs), so a plan that recomputes only
+them is not free. Each call is priced in estimated seconds:
+
+    matmul-like calls (kind "matmul", "conv", "attention"):
+        seconds = flops * seconds_per_flop[kind] + overhead
+    the others (kind: the layer class, "other" when not calibrated):
+        seconds = bytes * seconds_per_byte[kind] + overhead
+
+with `bytes` what the call reads and writes (its float inputs and its
+outputs). The constants are fitted by `benchmarks/cost_probe.py`, which
+times every distinct layer call of the benchmark families alone on the
+machine it runs on, and kept as data in `graphckpt/data/cpu_costs.json`.
+Only ratios matter to the planner (it compares the recompute of one plan
+with another's), so constants fitted on one CPU order plans sensibly on
+another.
+"""
+
+import functools
+import json
+import os
+
+__all__ = ["DATA", "PRUNING_BACKENDS", "backend_prunes", "call_seconds", "segment_seconds", "io_bytes", "kind_of", "params", "seconds"]
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu_costs.json")
+
+# Without the data file: FLOPs only.
+_FLOPS_ONLY = dict(seconds_per_flop={}, seconds_per_byte={}, seconds_per_call=0.0)
+
+
+def kind_of(class_name, rule_name, expensive):
+    """The kind a call is priced as: "attention", "conv" or "matmul" for
+    matmul-like calls, else its layer class."""
+    if rule_name.startswith("attention"):
+        return "attention"
+    if expensive and "Conv" in class_name:
+        return "conv"
+    if expensive:
+        return "matmul"
+    return class_name
+
+
+def io_bytes(ins, outs, batch_size=None):
+    """Bytes a call reads and writes: its float inputs and its outputs, as
+    `graphckpt.graph.TensorInfo`s (per example), times `batch_size`."""
+    per_example = sum(i.nbytes for i in ins if "float" in i.dtype) + sum(o.nbytes for o in outs)
+    return per_example * (batch_size or 1)
+
+
+def seconds(p, kind, flops, nbytes):
+    """Estimated seconds of one forward run, by the constants `p`."""
+    per_flop, per_byte = p["seconds_per_flop"], p["seconds_per_byte"]
+    if not per_flop and not per_byte:
+        return flops
+    if kind in per_flop:
+        return flops * per_flop[kind] + p["seconds_per_call"]
+    return nbytes * per_byte.get(kind, per_byte["other"]) + p["seconds_per_call"]
+
+
+@functools.cache
+def params():
+    """The fitted constants (`graphckpt/data/cpu_costs.json`)."""
+    if not os.path.exists(DATA):
+        return _FLOPS_ONLY
+    with open(DATA) as f:
+        data = json.load(f)
+    return {k: data[k] for k in _FLOPS_ONLY}
+
+
+def segment_seconds():
+    """Estimated seconds a recomputed segment costs besides its calls: one
+    call's overhead (0 without the data)."""
+    return params()["seconds_per_call"]
+
+
+def call_seconds(class_name, rule, ins, outs, batch_size=None):
+    """Estimated seconds of one forward run of a call with rule `rule`
+    (a `graphckpt.rules.LayerRule`) on `ins` -> `outs`, at `batch_size`."""
+    kind = kind_of(class_name, rule.name, rule.expensive)
+    return seconds(params(), kind, rule.flops * (batch_size or 1), io_bytes(ins, outs, batch_size))
+
+
+# Backends on which a recomputed call whose outputs only leave its segment,
+# and whose backward needs only its inputs, costs nothing to recompute:
+# TensorFlow's graph runtime (and XLA) drops an op whose result nothing
+# reads (tests/test_pruned_recompute.py counts the matmuls run). On JAX the
+# segment's backward keeps its recomputed outputs alive on purpose (bitwise
+# equal gradients; `graphckpt.remat.jax_remat`), and PyTorch's autograd
+# runs every recomputed op.
+PRUNING_BACKENDS = ("tensorflow",)
+
+
+def backend_prunes():
+    """Whether the current Keras backend drops unread recomputed ops."""
+    import keras
+
+    return keras.backend.backend() in PRUNING_BACKENDS

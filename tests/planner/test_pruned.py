@@ -1,0 +1,78 @@
+"""Recompute pruned by the graph runtime (issue 15 part 1): a recomputed call
+whose backward needs only its inputs costs nothing when no call of its
+segment reads its outputs. No Keras."""
+
+import dataclasses
+
+import networkx as nx
+
+from graphckpt.graph import TensorInfo
+from graphckpt.plan import (
+    MemoryModel,
+    graph_costs,
+    plan_for_budget,
+    smallest_peak,
+    topological_order,
+)
+
+
+def _chain(n, nbytes=10):
+    g = nx.DiGraph()
+    names = ["x"] + [f"n{i}" for i in range(n)]
+    for i, v in enumerate(names):
+        g.add_node(v, kind="input" if i == 0 else "layer", position=i)
+    for u, v in zip(names, names[1:]):
+        g.add_edge(u, v, tensors=((u, 0, 0),))
+    g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None,), "float32", nbytes) for v in names}
+    g.graph["inputs"], g.graph["outputs"] = [("x", 0, 0)], [(names[-1], 0, 0)]
+    return g
+
+
+def test_a_prunable_call_is_free_only_as_its_segments_last_reader():
+    """Chain n0..n3 costing 1, 2, 4, 8; n1 and n3 prunable. A span pays for
+    n1 only when n2 (its reader) is inside; n3, the model output, is never
+    read, so no span pays for it."""
+    g = _chain(4)
+    costs = dataclasses.replace(
+        graph_costs(g), compute={"n0": 1.0, "n1": 2.0, "n2": 4.0, "n3": 8.0}, prunable=frozenset({"n1", "n3"})
+    )
+    m = MemoryModel(g, costs)
+    assert [m.cost(0, b) for b in range(1, 5)] == [1.0, 1.0, 7.0, 7.0]
+    assert [m.cost(a, 4) for a in range(4)] == [7.0, 6.0, 4.0, 0.0]
+    assert m.cost(1, 2) == 0.0 and m.cost(1, 3) == 6.0
+    plain = MemoryModel(g, dataclasses.replace(costs, prunable=frozenset()))
+    assert plain.cost(0, 4) == 15.0
+
+
+def test_a_budget_plan_ends_its_segments_after_the_expensive_calls():
+    """[cheap, expensive] x 6, the expensive calls prunable (a convolution
+    then its BatchNorm-ReLU): at a budget that needs recompute, the plan of
+    least cost ends every recomputed segment at an expensive call, so it
+    recomputes only cheap ones; without pruning it cannot."""
+    g = _chain(12)
+    order = topological_order(g)
+    expensive = {v for i, v in enumerate(order) if i % 2}
+    base = dataclasses.replace(graph_costs(g), compute={v: 10.0 if v in expensive else 1.0 for v in order})
+    pruned = dataclasses.replace(base, prunable=frozenset(expensive))
+    budget = (smallest_peak(g, base) + plan_for_budget(g, base, 10**9).baseline_peak_bytes) // 2
+    plan = plan_for_budget(g, pruned, budget)
+    recomputed = [s for s in plan.segments if s.remat]
+    assert recomputed and all(s.nodes[-1] in expensive for s in recomputed)
+    cost = sum(p.recompute_cost for p in MemoryModel(g, pruned).segment_peaks(plan))
+    assert cost == sum(1.0 for s in recomputed for v in s.nodes if v not in expensive) - 0.0
+    plain = plan_for_budget(g, base, budget)
+    assert sum(p.recompute_cost for p in MemoryModel(g, base).segment_peaks(plain)) > cost
+
+
+def test_a_call_read_only_by_pruned_calls_is_pruned_too():
+    """n0 -> n1 -> n2 -> n3, n1 and n2 prunable (a convolution, then the
+    Add closing its block): a segment ending at n2 drops n2 (nothing reads
+    it) and so n1 (only n2 reads it); one ending at n3 drops neither, since
+    n3 (not prunable) reads n2."""
+    g = _chain(4)
+    costs = dataclasses.replace(
+        graph_costs(g), compute={"n0": 1.0, "n1": 2.0, "n2": 4.0, "n3": 8.0}, prunable=frozenset({"n1", "n2"})
+    )
+    m = MemoryModel(g, costs)
+    assert [m.cost(0, b) for b in range(1, 5)] == [1.0, 1.0, 1.0, 15.0]
+    assert m.cost(1, 3) == 0.0 and m.cost(2, 4) == 12.0
