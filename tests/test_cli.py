@@ -494,6 +494,10 @@ def test_segment_counts_agree_with_the_checkpointed_model(capsys, files):
     assert info["num_segments"] == len(info["segments"]) == len(ck.plan.segments)
     assert info["num_recomputed"] == sum(s["recomputed"] for s in info["segments"])
     assert info["num_recomputed"] == sum(isinstance(layer, graphckpt.Segment) for layer in ck.layers)
+    e = graphckpt.estimate(model, ck.plan, batch_size=2)
+    assert info["totals"]["recompute_time_fraction"] == pytest.approx(e.recompute_seconds / e.forward_seconds)
+    assert info["totals"]["recompute_fraction"] == pytest.approx(e.recompute_flops / e.forward_flops)
+    assert 0 < info["totals"]["recompute_time_fraction"] < 1
 
 
 def test_help_and_version_return_zero(capsys):
