@@ -4,9 +4,6 @@ segment reads its outputs. No Keras."""
 
 import dataclasses
 
-import networkx as nx
-
-from graphckpt.graph import TensorInfo
 from graphckpt.plan import (
     MemoryModel,
     graph_costs,
@@ -14,25 +11,14 @@ from graphckpt.plan import (
     smallest_peak,
     topological_order,
 )
-
-
-def _chain(n, nbytes=10):
-    g = nx.DiGraph()
-    names = ["x"] + [f"n{i}" for i in range(n)]
-    for i, v in enumerate(names):
-        g.add_node(v, kind="input" if i == 0 else "layer", position=i)
-    for u, v in zip(names, names[1:]):
-        g.add_edge(u, v, tensors=((u, 0, 0),))
-    g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None,), "float32", nbytes) for v in names}
-    g.graph["inputs"], g.graph["outputs"] = [("x", 0, 0)], [(names[-1], 0, 0)]
-    return g
+from tests.planner.graphs import chain
 
 
 def test_a_prunable_call_is_free_only_as_its_segments_last_reader():
     """Chain n0..n3 costing 1, 2, 4, 8; n1 and n3 prunable. A span pays for
     n1 only when n2 (its reader) is inside; n3, the model output, is never
     read, so no span pays for it."""
-    g = _chain(4)
+    g = chain(4)
     costs = dataclasses.replace(
         graph_costs(g), compute={"n0": 1.0, "n1": 2.0, "n2": 4.0, "n3": 8.0}, prunable=frozenset({"n1", "n3"})
     )
@@ -49,7 +35,7 @@ def test_a_budget_plan_ends_its_segments_after_the_expensive_calls():
     then its BatchNorm-ReLU): at a budget that needs recompute, the plan of
     least cost ends every recomputed segment at an expensive call, so it
     recomputes only cheap ones; without pruning it cannot."""
-    g = _chain(12)
+    g = chain(12)
     order = topological_order(g)
     expensive = {v for i, v in enumerate(order) if i % 2}
     base = dataclasses.replace(graph_costs(g), compute={v: 10.0 if v in expensive else 1.0 for v in order})
@@ -69,7 +55,7 @@ def test_a_call_read_only_by_pruned_calls_is_pruned_too():
     Add closing its block): a segment ending at n2 drops n2 (nothing reads
     it) and so n1 (only n2 reads it); one ending at n3 drops neither, since
     n3 (not prunable) reads n2."""
-    g = _chain(4)
+    g = chain(4)
     costs = dataclasses.replace(
         graph_costs(g), compute={"n0": 1.0, "n1": 2.0, "n2": 4.0, "n3": 8.0}, prunable=frozenset({"n1", "n2"})
     )

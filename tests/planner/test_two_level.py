@@ -1,10 +1,8 @@
 """Two-level plans (issue 15 part 2): recomputed segments cut again, when a
 budget is below what any plan of one level reaches. No Keras."""
 
-import networkx as nx
 import pytest
 
-from graphckpt.graph import TensorInfo
 from graphckpt.plan import (
     BudgetInfeasible,
     MemoryModel,
@@ -18,19 +16,7 @@ from graphckpt.plan import (
     validate_plan,
 )
 from tests.planner import casefile
-
-
-def _chain(n, nbytes=10):
-    """n calls in a line, each making one `nbytes` tensor."""
-    g = nx.DiGraph()
-    names = ["x"] + [f"n{i}" for i in range(n)]
-    for i, v in enumerate(names):
-        g.add_node(v, kind="input" if i == 0 else "layer", position=i)
-    for u, v in zip(names, names[1:]):
-        g.add_edge(u, v, tensors=((u, 0, 0),))
-    g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None,), "float32", nbytes) for v in names}
-    g.graph["inputs"], g.graph["outputs"] = [("x", 0, 0)], [(names[-1], 0, 0)]
-    return g
+from tests.planner.graphs import chain
 
 
 def test_a_segment_cut_again_peaks_as_the_model_says_by_hand():
@@ -40,7 +26,7 @@ def test_a_segment_cut_again_peaks_as_the_model_says_by_hand():
     recomputed, 2 kept]: the copied input (10), then inner segment j peaks
     over what the earlier ones hold (10 each): 0 + (20 + 10 + 10), 10 +
     40, 20 + (20 + 10) -> 10 + 50 = 60; recomputed: 6 calls, then 2 + 2."""
-    g = _chain(6)
+    g = chain(6)
     order = topological_order(g)
     memory = MemoryModel(g, graph_costs(g))
     one = plan_from_boundaries(g, order, [0])
@@ -57,7 +43,7 @@ def test_a_segment_cut_again_peaks_as_the_model_says_by_hand():
 
 
 def test_inner_segments_cross_what_they_must():
-    g = _chain(6)
+    g = chain(6)
     order = topological_order(g)
     plan = plan_from_boundaries(g, order, [0, 3], inner=[([0, 1], [True, False]), None])
     validate_plan(g, plan)
@@ -72,7 +58,7 @@ def test_a_budget_below_the_floor_of_one_level_gets_two_levels():
     """A 40-call chain: a budget 15% below the least peak of one level is
     met by cutting segments again, with its estimate within the budget,
     and with more recompute than the plan of one level at its floor."""
-    g = _chain(40)
+    g = chain(40)
     costs = graph_costs(g)
     floor = smallest_peak(g, costs)
     budget = int(0.85 * floor)
@@ -92,7 +78,7 @@ def test_a_budget_below_the_floor_of_one_level_gets_two_levels():
 def test_the_smallest_peak_named_fits_and_a_little_less_does_not():
     """Below two levels' floor the error names that floor (within about 2%,
     from above): a budget of it fits, one 3% under it does not."""
-    g = _chain(40)
+    g = chain(40)
     costs = graph_costs(g)
     with pytest.raises(BudgetInfeasible) as info:
         plan_for_budget(g, costs, 1)
@@ -132,7 +118,7 @@ def test_two_level_plans_of_random_graphs_fit_their_budget():
 def test_costs_made_by_hand_are_planned_too():
     """Big interiors, small boundaries: a chain whose every third call makes
     a 100-byte tensor and the rest 1000 (and keep internal bytes)."""
-    g = _chain(30)
+    g = chain(30)
     sizes = {k: (100 if i % 3 == 2 else 1000) for i, k in enumerate(g.graph["tensors"])}
     costs = NodeCosts(
         tensor_bytes=sizes,
