@@ -24,12 +24,15 @@ import functools
 import json
 import os
 
-__all__ = ["DATA", "PRUNING_BACKENDS", "backend_prunes", "call_seconds", "segment_seconds", "io_bytes", "kind_of", "params", "seconds"]
+__all__ = ["DATA", "NANOSECOND", "PRUNING_BACKENDS", "backend_prunes", "call_seconds", "nanoseconds", "segment_seconds", "io_bytes", "kind_of", "params", "seconds"]
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu_costs.json")
 
-# Without the data file: FLOPs only.
+# Without the data file: FLOPs only, one a nanosecond.
 _FLOPS_ONLY = dict(seconds_per_flop={}, seconds_per_byte={}, seconds_per_call=0.0)
+# The planner's costs are whole nanoseconds: its search trusts shifts of
+# costs only when their float sums are exact (`graphckpt.planner.front`).
+NANOSECOND = 1e-9
 
 
 def kind_of(class_name, rule_name, expensive):
@@ -55,7 +58,7 @@ def seconds(p, kind, flops, nbytes):
     """Estimated seconds of one forward run, by the constants `p`."""
     per_flop, per_byte = p["seconds_per_flop"], p["seconds_per_byte"]
     if not per_flop and not per_byte:
-        return flops
+        return flops * NANOSECOND
     if kind in per_flop:
         return flops * per_flop[kind] + p["seconds_per_call"]
     return nbytes * per_byte.get(kind, per_byte["other"]) + p["seconds_per_call"]
@@ -69,6 +72,11 @@ def params():
     with open(DATA) as f:
         data = json.load(f)
     return {k: data[k] for k in _FLOPS_ONLY}
+
+
+def nanoseconds(seconds):
+    """`seconds` as whole nanoseconds (a float), the planner's cost unit."""
+    return float(round(seconds / NANOSECOND))
 
 
 def segment_seconds():

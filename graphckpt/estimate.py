@@ -245,7 +245,7 @@ def _costs(graph, batch_size):
         if batch_size is not None:
             params = _param_bytes(data["layer"]) if rule.param_bytes is None else rule.param_bytes
             workspace[key] += int(_WORKSPACE_PARAMS * params)
-        compute[key] = cost_model.call_seconds(data["class_name"], rule, ins, outs, batch_size)
+        compute[key] = cost_model.nanoseconds(cost_model.call_seconds(data["class_name"], rule, ins, outs, batch_size))
         if prunes and rule.is_prunable:
             prunable.add(key)
     out_bytes = sum(tensor_bytes[k] for k in graph.graph["outputs"])
@@ -258,7 +258,7 @@ def _costs(graph, batch_size):
         fixed=int(_FIXED_OUTPUTS * out_bytes),
         per_example=batch_size is None,
         prunable=frozenset(prunable),
-        segment_cost=cost_model.segment_seconds(),
+        segment_cost=cost_model.nanoseconds(cost_model.segment_seconds()),
     )
     calls = []
     for key, rule in by_call.items():
@@ -273,7 +273,7 @@ def _costs(graph, batch_size):
                 flops=rule.flops * scale,
                 expensive=rule.expensive,
                 rule=rule.name,
-                seconds=compute[key],
+                seconds=compute[key] * cost_model.NANOSECOND,
                 prunable=key in costs.prunable,
             )
         )
@@ -394,7 +394,7 @@ def estimate(
         recompute_flops=recompute_flops,
         unknown_layers=tuple(sorted({c.class_name for c in calls if c.rule == "unknown"})),
         forward_seconds=sum(c.seconds for c in calls),
-        recompute_seconds=recompute,
+        recompute_seconds=recompute * cost_model.NANOSECOND,
     )
 
 

@@ -43,7 +43,8 @@ class NodeCosts:
         workspace: layer call -> transient bytes of its backward step
             (input and parameter gradients, temporaries).
         compute: layer call -> cost of running it forward once (the
-            estimator's: seconds by `graphckpt.cost_model`; any unit will do).
+            estimator's: whole nanoseconds by `graphckpt.cost_model`; any
+            unit will do, and whole numbers let the search trust shifts).
         fixed: bytes every plan pays alike (the loss, the batch's gradients).
         per_example: whether the bytes are per example.
         prunable: layer calls whose recompute costs nothing when no call of
