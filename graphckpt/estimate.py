@@ -81,7 +81,8 @@ class CallEstimate:
             (`graphckpt.cost_model`): what the planner prices recompute by.
         prunable: its recompute is skipped when nothing else in its segment
             reads its outputs (`graphckpt.rules.LayerRule.prunable`), on a
-            backend whose compiler drops unread ops (TensorFlow, JAX).
+            backend whose runtime drops unread ops (TensorFlow:
+            `graphckpt.cost_model.PRUNING_BACKENDS`).
     """
 
     node: tuple

@@ -61,6 +61,7 @@ class LayerRule:
 
     @property
     def is_prunable(self):
+        """`prunable`, or its default when None."""
         if self.prunable is not None:
             return self.prunable
         return not self.saved_outputs and not self.internal
