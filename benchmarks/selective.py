@@ -43,6 +43,7 @@ FAMILIES = {
     "transformer": dict(
         builder="transformer", kwargs=dict(seq_len=128, dim=256, heads=4, ffn=1024, depth=6), batch=16, target=1.20
     ),
+    "nested_resnet50v2": dict(builder="nested_resnet50v2", kwargs=dict(size=128), batch=8, target=1.20),
     "cnn": dict(builder="resnet_cnn", kwargs=dict(size=64, channels=32, blocks_per_stage=3, stages=3), batch=16, target=1.25),
 }
 FACTORS = (1.00, 1.05, 1.10, 1.20)
@@ -107,12 +108,15 @@ def run(name, fam, repeats, steps, warmup):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--families", default="resnet50v2,transformer,cnn", help=f"of {', '.join(FAMILIES)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "selective.json"))
+    p.add_argument("--out", default=None, help="default: results/selective.json (selective_<families>.json for others)")
     args = p.parse_args(argv)
+    if args.out is None:
+        name = "" if args.families == "resnet50v2,transformer,cnn" else "_" + args.families.replace(",", "_")
+        args.out = os.path.join(HERE, "results", f"selective{name}.json")
     t0 = time.time()
     results = [run(n, FAMILIES[n], args.repeats, args.steps, args.warmup) for n in args.families.split(",")]
     with open(args.out, "w") as f:
