@@ -1,10 +1,10 @@
 """The estimator's time model: what recomputing one layer call costs.
 
 FLOPs alone price a BatchNormalization, a ReLU or an Add at almost nothing
-next to a convolution; on a CPU those calls are bound by memory traffic and
-take a real share of the step (44% of the forward time of the benchmark
-families' layer calls, timed alone, for 1% of their FLOPs), so a plan that recomputes only
-them is not free. Each call is priced in estimated seconds:
+next to a convolution; on a CPU those calls are bound by memory traffic
+and take a real share of the step (44% of the forward time of the
+benchmark families' layer calls, timed alone, for 1% of their FLOPs), so a
+plan that recomputes only them is not free. Each call is priced in estimated seconds:
 
     matmul-like calls (kind "matmul", "conv", "attention"):
         seconds = flops * seconds_per_flop[kind] + overhead

@@ -74,7 +74,9 @@ def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", m
     peak (see `MemoryModel`: for each segment, in backward order, the boundary
     tensors held for the earlier segments plus the segment's own recompute
     peak) stays at or below `budget_bytes`, and the forward cost recomputed
-    (FLOPs of the recomputed calls) is least. Segments that are not
+    (the `compute` of the recomputed calls, those pruned from a segment's
+    recompute left out, plus `segment_cost` per recomputed segment) is
+    least. Segments that are not
     recomputed keep their calls' activations, as the original model does;
     that is how the plan spends spare memory to skip recomputation.
 
