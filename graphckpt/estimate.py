@@ -46,6 +46,7 @@ from graphckpt.plan import (
     NodeCosts,
     Plan,
     baseline_peak,
+    recomputed_calls,
     segment_peaks,
     smallest_peak,
     topological_order,
@@ -402,16 +403,12 @@ def estimate(
 def _recompute_flops(graph, plan, calls):
     """The FLOPs a plan recomputes, counted as the memory model counts its
     cost: each recomputed segment (and inner segment) runs its calls once
-    more, less the dead ones: prunable calls that no call of the segment
-    reads, or only dead ones do."""
+    more, less those pruned from its recompute (`recomputed_calls`)."""
     by_node = {c.node: c for c in calls}
+    prunable = {c.node for c in calls if c.prunable}
 
     def recomputed(nodes):
-        inside, dead = set(nodes), set()
-        for v in reversed(nodes):  # readers first
-            if by_node[v].prunable and all(w in dead for w in graph.successors(v) if w in inside):
-                dead.add(v)
-        return sum(by_node[v].flops for v in nodes if v not in dead)
+        return sum(by_node[v].flops for v in recomputed_calls(graph, nodes, prunable))
 
     total = 0.0
     for segment in plan.segments:

@@ -45,6 +45,7 @@ from graphckpt.planner.memory import (
     baseline_peak,
     estimated_peak,
     graph_costs,
+    recomputed_calls,
     segment_peaks,
 )
 from graphckpt.planner.search import SEGMENT_CHOICES, plan_segments
@@ -62,6 +63,7 @@ __all__ = [
     "SegmentPeak",
     "BudgetInfeasible",
     "segment_peaks",
+    "recomputed_calls",
     "estimated_peak",
     "baseline_peak",
     "smallest_peak",

@@ -21,6 +21,7 @@ __all__ = [
     "memory_model_for",
     "graph_costs",
     "segment_peaks",
+    "recomputed_calls",
     "estimated_peak",
     "baseline_peak",
 ]
@@ -230,11 +231,14 @@ class MemoryModel:
         at `i` is dead depends only on `b` (its readers come after it): it
         is for `i < b <= last[i]`, `last[i]` the least over its readers of
         their own `last` (prunable readers) or position (the others), `n`
-        for a call nothing reads."""
+        for a call nothing reads. (`recomputed_calls` is the same rule for
+        one segment.)"""
         import numpy as np
 
         n = self.n
         prunable = self.costs.prunable
+        if not prunable:
+            return 0.0
         last = [0] * n
         for i in reversed(range(n)):
             readers = [pos[w] for w in graph.successors(order[i]) if w in pos]
@@ -360,6 +364,18 @@ class SubSpans:
         self.inner_kept, self.inner_remat = spans.inner_kept[part], spans.inner_remat[part]
         self.held_kept, self.held_remat = spans.held_kept[part], spans.held_remat[part]
         self.cost_span = spans.cost_span[part]
+
+
+def recomputed_calls(graph, nodes, prunable):
+    """The calls of a recomputed segment (`nodes`, in order) that its
+    recompute runs: all but the dead ones, prunable calls that no call of
+    the segment reads, or only dead ones do (`MemoryModel` prices every
+    span by this rule)."""
+    inside, dead = set(nodes), set()
+    for v in reversed(nodes):  # readers first
+        if v in prunable and all(w in dead for w in graph.successors(v) if w in inside):
+            dead.add(v)
+    return [v for v in nodes if v not in dead]
 
 
 def memory_model_for(graph, costs, order=None, memory=None):
