@@ -10,6 +10,7 @@ answer `--help` and argument errors without importing TensorFlow.
 
 import importlib
 import sys
+import types
 
 from graphckpt.errors import (
     GraphckptError,
@@ -141,6 +142,23 @@ class _LoadWithKeras:
 
 def _remove_hook():
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _LoadWithKeras)]
+
+
+class _Package(types.ModuleType):
+    """The package's module type: the import system binds each submodule
+    on the package as it is first imported, and `graphckpt.plan` and
+    `graphckpt.estimate` are also the names of public functions. A
+    submodule imported before the API loads (`from graphckpt.estimate
+    import node_costs`) must not hide the function of its name: the
+    binding is skipped, and the name loads with the API on first use."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and name in _LAZY and _LAZY[name][1] is not None:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if "keras" in sys.modules:

@@ -51,3 +51,31 @@ def test_public_api_type_hints_resolve():
     for name in ("checkpoint_model", "plan", "estimate", "is_checkpointed", "uncheckpoint", "register_layer_rule"):
         hints = typing.get_type_hints(getattr(graphckpt, name))
         assert "return" in hints, name
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "from graphckpt.estimate import node_costs",
+        "import graphckpt.plan",
+        "import graphckpt.estimate",
+        "import keras",
+    ],
+)
+def test_public_functions_outlive_submodule_imports(first):
+    """`graphckpt.plan` and `graphckpt.estimate` name both a submodule and
+    a public function: importing the submodule first (before anything loads
+    the API) must leave the functions callable."""
+    import subprocess
+    import sys
+
+    code = (
+        f"{first}\n"
+        "import graphckpt\n"
+        "assert callable(graphckpt.plan), graphckpt.plan\n"
+        "assert callable(graphckpt.estimate), graphckpt.estimate\n"
+        "from graphckpt.plan import Plan\n"
+        "assert graphckpt.Plan is Plan\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
