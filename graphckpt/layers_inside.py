@@ -66,10 +66,12 @@ def composite_rule(layer, node, ins, rule_of, workspace_of):
     `rule_of(layer, ins, outs, node)` gives each sublayer call's rule (the
     estimator's, which may come back here for a sublayer of layers), and
     `workspace_of(rule, ins, outs)` the transient bytes of its backward
-    step. The sublayers' backward steps run one at a time, so the layer's
-    workspace is the largest of theirs, plus the gradients of its own
-    inputs and outputs, alive throughout (not the sum of their internals,
-    which counted a transformer block's interior twice)."""
+    step. The sublayers' backward steps run one at a time, in reverse, each
+    after the later ones have freed what they kept: the layer's backward
+    peaks at the largest over its sublayers of (what it and the sublayers
+    before it keep + its workspace), plus the gradients of the layer's own
+    inputs and outputs, alive throughout. Its workspace is that peak less
+    what the layer keeps (the planner adds the two)."""
     specs = {
         id(t): keras.KerasTensor((1,) + tuple(info.shape[1:]), dtype=info.dtype)
         for t, info in zip(node.input_tensors, ins)
@@ -83,7 +85,7 @@ def composite_rule(layer, node, ins, rule_of, workspace_of):
             outputs = keras_compat.compute_output_spec(layer.call, *args, **kwargs)
     except Exception:  # a layer that only runs on real data: keep the generic rule
         return None
-    kept, internal, flops, expensive, work = {}, 0.0, 0.0, False, 0.0
+    kept, internal, flops, expensive, peak = {}, 0.0, 0.0, False, 0.0
     for sub, sub_args, sub_kwargs, sub_outputs in record:
         sub_tensors = _tensors((sub_args, sub_kwargs))
         sub_ins = [_info(t) for t in sub_tensors]
@@ -94,14 +96,17 @@ def composite_rule(layer, node, ins, rule_of, workspace_of):
         internal += rule.internal
         flops += rule.flops
         expensive = expensive or rule.expensive
-        work = max(work, workspace_of(rule, sub_ins, sub_outs))
+        # While this sublayer's backward runs, what the later ones kept is
+        # already freed.
+        peak = max(peak, internal + sum(kept.values()) + workspace_of(rule, sub_ins, sub_outs))
+    total = internal + sum(kept.values())
     io = sum(i.nbytes for i in ins if rules.is_float(i)) + sum(_info(t).nbytes for t in _tensors(outputs))
     return rules.LayerRule(
-        internal=internal + sum(kept.values()),
+        internal=total,
         flops=flops,
         expensive=expensive,
         name="layers inside",
-        workspace=work + io,
+        workspace=peak - total + io,
     )
 
 

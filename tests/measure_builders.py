@@ -20,6 +20,18 @@ def chain(depth=16, width=128):
     return keras.Model(inp, layers.Dense(2)(x), name=f"chain_build{BUILDS}_pid{os.getpid()}")
 
 
+def big_outputs(depth=16, width=1024, repeat=8):
+    """A Dense chain whose weightless head outputs far more than any layer
+    keeps: each value repeated `repeat` times (8 MiB of outputs at batch
+    256, against 1 MiB per Dense output)."""
+    inp = keras.Input((width,))
+    x = inp
+    for _ in range(depth):
+        x = layers.Dense(width, activation="tanh")(x)
+    x = layers.UpSampling1D(repeat)(layers.Reshape((width, 1))(x))
+    return keras.Model(inp, layers.Flatten()(x), name="big_outputs")
+
+
 def broken(message="boom"):
     raise ValueError(message)
 

@@ -235,15 +235,18 @@ class _Block(keras.layers.Layer):
     """A layer of layers, as keras_hub's TransformerDecoder: graphckpt sees
     one call."""
 
-    def __init__(self, dim=16, **kwargs):
+    def __init__(self, dim=16, steps=3, **kwargs):
         super().__init__(**kwargs)
         self.attention = keras.layers.MultiHeadAttention(2, dim // 2)
         self.norm = keras.layers.LayerNormalization()
         self.dense = keras.layers.Dense(dim, activation="gelu")
+        self.steps = steps  # how many of its three sublayer calls it makes
 
     def call(self, x, training=None):
         x = x + self.attention(x, x, training=training)
-        return self.dense(self.norm(x))
+        for layer in (self.norm, self.dense)[: self.steps - 1]:
+            x = layer(x)
+        return x
 
 
 def test_a_layer_of_layers_is_the_sum_of_its_sublayer_calls():
@@ -268,14 +271,20 @@ def test_a_layer_of_layers_is_the_sum_of_its_sublayer_calls():
     assert long.kept_bytes >= 0.8 * inner
 
 
-def test_a_layer_of_layers_backward_workspace_is_its_largest_sublayers():
-    """The sublayers' backward steps run one after another, so a layer of
-    layers needs the largest of their workspaces at once (plus its own
-    input and output gradients), not their sum: the sum counted a GPT-2
-    block's interior twice (docs/estimator.md, text models)."""
-    tokens = keras.Input((None, 16))
-    model = keras.Model(tokens, keras.layers.Dense(1)(_Block()(keras.layers.Dense(16)(tokens))))
-    (block,) = [c for c in graphckpt.estimate(model, input_shape=(2, 128, 16)).calls if c.class_name == "_Block"]
+def test_a_layer_of_layers_backward_frees_what_its_later_sublayers_kept():
+    """The sublayers' backward steps run one after another, in reverse, each
+    after the later ones freed what they kept: a layer of layers peaks at
+    the largest over its sublayers of (what it and the earlier ones keep +
+    its workspace), plus its own input and output gradients; not at all it
+    keeps + the largest workspace, which over-estimated a GPT-2 block's
+    (docs/estimator.md, text models). What the first k sublayers keep is
+    the kept bytes of the block cut after its k-th call."""
+    def block_call(steps):
+        tokens = keras.Input((None, 16))
+        model = keras.Model(tokens, keras.layers.Dense(1)(_Block(steps=steps)(keras.layers.Dense(16)(tokens))))
+        (call,) = [c for c in graphckpt.estimate(model, input_shape=(2, 128, 16)).calls if c.class_name == "_Block"]
+        return call, next(layer for layer in model.layers if isinstance(layer, _Block))
+
     flat_in = keras.Input((None, 16))
     h = keras.layers.Dense(16)(flat_in)
     h = keras.layers.Add()([h, keras.layers.MultiHeadAttention(2, 8, name="mha")(h, h)])
@@ -286,11 +295,17 @@ def test_a_layer_of_layers_backward_workspace_is_its_largest_sublayers():
     def weights(layer):  # parameter gradients in flight: 3 x the trainable bytes
         return 3 * sum(math.prod(v.shape) * 4 for v in layer.trainable_weights)
 
-    own = {name: inner[name].workspace_bytes - weights(flat.get_layer(name)) for name in ("mha", "norm", "gelu_dense")}
+    names = ("mha", "norm", "gelu_dense")  # the block's sublayer calls, in order
+    own = [inner[name].workspace_bytes - weights(flat.get_layer(name)) for name in names]
+    kept_through = [block_call(steps)[0].kept_bytes for steps in (1, 2, 3)]
+    assert kept_through[0] < kept_through[1] < kept_through[2]
+    block, block_layer = block_call(3)
     io = 2 * (2 * 128 * 16 * 4)  # the block's input and output gradients, batch 2
-    block_layer = next(layer for layer in model.layers if isinstance(layer, _Block))
-    assert block.workspace_bytes == pytest.approx(max(own.values()) + io + weights(block_layer), rel=0.01)
-    assert block.workspace_bytes < sum(c.workspace_bytes for c in inner.values() if c.node[0] in own)
+    peak = max(k + w for k, w in zip(kept_through, own))
+    assert block.workspace_bytes == pytest.approx(peak - kept_through[2] + io + weights(block_layer), rel=0.01)
+    # The attention's backward, the largest, runs after the others freed theirs.
+    assert own[0] == max(own)
+    assert block.workspace_bytes < max(own) + io + weights(block_layer)
 
 
 def test_grouped_query_attention_is_estimated_with_its_own_heads():
