@@ -2,6 +2,7 @@
 
 import keras
 import networkx as nx
+import numpy as np
 from keras import layers
 
 from graphckpt.graph import build_graph
@@ -90,6 +91,27 @@ def test_nested_calls_that_cannot_be_replayed_call_by_call_stay_whole():
     g = build_graph(keras.Model(inp, out))
     assert sorted(_whole(g)) == ["cast", "custom", "two"]
     assert any(n[0].startswith("plain/") for n in g.nodes)
+
+
+def test_a_nested_output_nothing_outside_reads_is_fine_when_calls_inside_read_it():
+    """keras_hub's BERT backbone returns `sequence_output` and the
+    `pooled_output` computed from it; a classifier takes only the pooled
+    one. No call inside becomes dead, so the backbone is flattened (its
+    layers are the graph's calls) and trains exactly."""
+    import graphckpt
+    from tests.helpers import compare_step
+
+    i = keras.Input((4,))
+    sequence = layers.Dense(4, activation="tanh")(i)
+    pooled = layers.Dense(4, activation="tanh")(sequence)
+    backbone = keras.Model(i, {"sequence_output": sequence, "pooled_output": pooled}, name="backbone")
+    inp = keras.Input((4,))
+    model = keras.Model(inp, layers.Dense(2)(backbone(inp)["pooled_output"]))
+    g = build_graph(model)
+    assert _whole(g) == []
+    assert sum(1 for n in g.nodes if n[0].startswith("backbone/")) == 2
+    ck = graphckpt.checkpoint_model(model, segments=2)
+    compare_step(model, ck, np.random.default_rng(0).normal(size=(3, 4)).astype("float32"))
 
 
 def test_a_nested_model_whose_layer_names_clash_stays_whole():

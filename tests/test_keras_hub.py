@@ -247,3 +247,57 @@ def test_grouped_query_attention_of_decoder_lms_is_estimated_as_attention(build,
     scores = attention.num_query_heads * 256 * 256 * 4
     assert long >= rules.MHA_SCORE_BUFFERS * scores
     assert long > 8 * short  # quadratic in T: 16x for the scores, 4x for the rest
+
+
+def _task(arch):
+    """A small task model of each family the issue names, without a
+    preprocessor, and the data it trains on."""
+    keras.utils.set_random_seed(0)
+    labels = np.random.default_rng(2).integers(0, 3, (8,)).astype("int32")
+    if arch == "llama":
+        lm = keras_hub.models.LlamaCausalLM(backbone=llama(), preprocessor=None)
+        lm.backbone.enable_lora(4)
+        x = _text(seed=1, batch=8)
+        return lm, x, np.random.default_rng(2).integers(1, VOCAB, (8, SEQ)).astype("int32")
+    if arch == "bert":
+        x = {**_text(seed=1, batch=8), "segment_ids": np.zeros((8, SEQ), "int32")}
+        return keras_hub.models.BertTextClassifier(bert(), num_classes=3, preprocessor=None), x, labels
+    images = np.random.default_rng(1).normal(size=(8, 32, 32, 3)).astype("float32")
+    if arch == "vit":
+        return keras_hub.models.ViTImageClassifier(vit(), num_classes=3, preprocessor=None), images, labels
+    return keras_hub.models.ResNetImageClassifier(resnet(), num_classes=3, preprocessor=None), images, labels
+
+
+def _fit_task(model, x, y, flag):
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))  # the task's own loss and metrics
+    keras.utils.set_random_seed(1)  # the same Dropout masks
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, gradient_checkpointing=flag)
+    return history.history
+
+
+@pytest.mark.parametrize("arch, segments", [("llama", 3), ("bert", 3), ("vit", 2), ("resnet", 3)])
+def test_task_models_train_exactly_through_the_fit_flag(installed, arch, segments):
+    """LlamaCausalLM with LoRA, BertTextClassifier, ViTImageClassifier and
+    ResNetImageClassifier: the flag gives plain `fit`'s history (loss and
+    the task's metrics) and weights, cuts inside the backbone (but ViT's,
+    whose blocks are one layer), recomputes, and leaves the task model
+    what it was."""
+    plain, x, y = _task(arch)
+    want = _fit_task(plain, x, y, None)
+    model, _, _ = _task(arch)
+    cls = type(model)
+    got = _fit_task(model, x, y, segments)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=key)
+    for a, b in zip(model.weights, plain.weights):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-4, atol=1e-6, err_msg=a.path)
+    assert type(model) is cls and "call" not in model.__dict__
+    (twin,) = model.__dict__[_CACHE_ATTR].twins.values()
+    assert {id(v) for v in twin.model.weights} == {id(v) for v in model.weights}
+    assert len(twin.segments) == segments and all(s.forward_calls >= 1 for s in twin.segments)
+    backbone = {id(layer) for layer in model.backbone._flatten_layers(include_self=False)}
+    holding = [s for s in twin.segments if any(id(layer) in backbone for layer in s.model.layers)]
+    assert len(holding) >= (1 if arch == "vit" else 2)
+    np.testing.assert_allclose(to_numpy(model.predict(x, verbose=0)), to_numpy(plain.predict(x, verbose=0)),
+                               rtol=1e-4, atol=1e-5)
