@@ -195,10 +195,9 @@ def _flattenable(node, consumed):
     the model does: its class runs Keras's own `Functional.call` (no
     override), it is called on one structure of tensors that matches its
     inputs in count, dtype and rank (so Keras converts and reshapes nothing),
-    with no argument but `training` and no mask; every input is
-    read inside it and every call inside it leads to an output used
-    outside it (so no call of it becomes dead code that the original would
-    still run).
+    with no argument but `training` and no mask; and every call and input
+    inside it leads to an output used outside it (so no call, of it or
+    before it, becomes dead code that the original would still run).
     """
     import keras
     from keras import tree
@@ -227,20 +226,20 @@ def _flattenable(node, consumed):
     except (TypeError, ValueError):
         if len(outer) != 1:
             return None
-    nodes = _nodes_of(inner)
-    read = {id(t) for n in nodes for t in n.input_tensors} | {id(t) for t in inner.outputs}
-    if not all(id(x) in read for x in inner.inputs):
-        return None
-    # Every inner call must still lead to an output used outside: an output
-    # nothing reads (a keras_hub backbone's `sequence_output` beside the
-    # `pooled_output` a classifier takes) is fine when calls inside read it.
+    # Every inner call and input must still lead to an output used outside:
+    # an output nothing reads (a keras_hub backbone's `sequence_output`
+    # beside the `pooled_output` a classifier takes) is fine when calls
+    # inside read it, but not an input only passed through to it (whatever
+    # made that input outside would become dead code).
     live = {id(x) for x, t in zip(inner.outputs, node.outputs) if id(t) in consumed}
-    for n in reversed(nodes):
+    for n in reversed(_nodes_of(inner)):
         if n.is_input:
             continue
         if not any(id(t) in live for t in n.outputs):
             return None
         live.update(id(t) for t in n.input_tensors)
+    if not all(id(x) in live for x in inner.inputs):
+        return None
     return inner
 
 

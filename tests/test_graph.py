@@ -87,9 +87,14 @@ def test_nested_calls_that_cannot_be_replayed_call_by_call_stay_whole():
     i16 = keras.Input((4,), dtype="float16")
     cast = keras.Model(i16, layers.Dense(4, dtype="float16")(i16), name="cast")
     c = cast(b)
-    out = _block("plain")(layers.Dense(4)(c))
+    # An input only passed through to an output nothing reads: the calls
+    # making it outside would become dead code.
+    pi, pj = keras.Input((4,)), keras.Input((4,))
+    passing = keras.Model([pi, pj], [layers.Dense(4)(pi), pj], name="passing")
+    d, _ = passing([a, layers.BatchNormalization()(a)])
+    out = _block("plain")(layers.Add()([d, layers.Dense(4)(c)]))
     g = build_graph(keras.Model(inp, out))
-    assert sorted(_whole(g)) == ["cast", "custom", "two"]
+    assert sorted(_whole(g)) == ["cast", "custom", "passing", "two"]
     assert any(n[0].startswith("plain/") for n in g.nodes)
 
 
