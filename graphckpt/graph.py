@@ -211,18 +211,19 @@ def _flattenable(node, consumed):
         return None
     if type(inner).call is not Functional.call:
         return None
-    args, kwargs = node.arguments.args, node.arguments.kwargs
-    if len(args) != 1 or set(kwargs) - {"training", "mask"}:
+    kwargs = node.arguments.kwargs
+    if set(kwargs) - {"inputs", "training", "mask"} or len(node.arguments.args) + ("inputs" in kwargs) != 1:
         return None
     if any(m is not None for m in tree.flatten(kwargs.get("mask"))):
         return None  # Keras fills in `mask` itself, all None without masks
-    outer = tree.flatten(args[0])
+    called_on = _called_on(node)
+    outer = tree.flatten(called_on)
     if len(outer) != len(inner.inputs) or not all(
         _is_keras_tensor(t) and t.dtype == x.dtype and len(t.shape) == len(x.shape) for t, x in zip(outer, inner.inputs)
     ):
         return None
     try:
-        tree.assert_same_structure(args[0], keras_compat.structures(inner)[0])
+        tree.assert_same_structure(called_on, keras_compat.structures(inner)[0])
     except (TypeError, ValueError):
         if len(outer) != 1:
             return None
@@ -241,6 +242,14 @@ def _flattenable(node, consumed):
     if not all(id(x) in live for x in inner.inputs):
         return None
     return inner
+
+
+def _called_on(node):
+    """What a nested model's call passed as its `inputs`: the one positional
+    argument, or `inputs=` (keras_hub's Gemma3CausalLM calls its backbone
+    as `backbone(inputs=inputs)`)."""
+    args = node.arguments.args
+    return args[0] if args else node.arguments.kwargs["inputs"]
 
 
 def _is_keras_tensor(x):
@@ -290,7 +299,7 @@ class _Builder:
                 inner_prefix = f"{prefix}{op.name}{'' if k == 0 else f'@{k}'}/"
                 from keras import tree
 
-                outer = tree.flatten(node.arguments.args[0])
+                outer = tree.flatten(_called_on(node))
                 inner_bound = {id(x): keys[id(t)] for x, t in zip(inner.inputs, outer)}
                 forced = training if training is not None else node.arguments.kwargs.get("training")
                 inner_keys = self.add(inner, inner_prefix, inner_bound, forced, op)

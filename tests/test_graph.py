@@ -119,6 +119,17 @@ def test_a_nested_output_nothing_outside_reads_is_fine_when_calls_inside_read_it
     compare_step(model, ck, np.random.default_rng(0).normal(size=(3, 4)).astype("float32"))
 
 
+def test_a_nested_model_called_with_inputs_as_a_keyword_is_flattened():
+    """keras_hub's Gemma3CausalLM calls its backbone as
+    `backbone(inputs=inputs)`."""
+    i = keras.Input((4,))
+    block = keras.Model(i, layers.Dense(4)(layers.Dense(4)(i)), name="block")
+    inp = keras.Input((4,))
+    g = build_graph(keras.Model(inp, layers.Dense(2)(block(inputs=inp))))
+    assert _whole(g) == []
+    assert sum(1 for n in g.nodes if n[0].startswith("block/")) == 2
+
+
 def test_a_nested_model_whose_layer_names_clash_stays_whole():
     inp = keras.Input((4,))
     first, second = _block("first"), _block("second")

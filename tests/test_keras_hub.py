@@ -259,6 +259,14 @@ def _task(arch):
         lm.backbone.enable_lora(4)
         x = _text(seed=1, batch=8)
         return lm, x, np.random.default_rng(2).integers(1, VOCAB, (8, SEQ)).astype("int32")
+    if arch == "gemma3":  # calls its backbone as `backbone(inputs=...)`
+        backbone = keras_hub.models.Gemma3Backbone(
+            vocabulary_size=VOCAB, image_size=16, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+            hidden_dim=16, intermediate_dim=32, head_dim=8, dropout=0.1,
+        )
+        x = _text(seed=1, batch=8)
+        y = np.random.default_rng(2).integers(1, VOCAB, (8, SEQ)).astype("int32")
+        return keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None), x, y
     if arch == "bert":
         x = {**_text(seed=1, batch=8), "segment_ids": np.zeros((8, SEQ), "int32")}
         return keras_hub.models.BertTextClassifier(bert(), num_classes=3, preprocessor=None), x, labels
@@ -275,10 +283,10 @@ def _fit_task(model, x, y, flag):
     return history.history
 
 
-@pytest.mark.parametrize("arch, segments", [("llama", 3), ("bert", 3), ("vit", 2), ("resnet", 3)])
+@pytest.mark.parametrize("arch, segments", [("llama", 3), ("gemma3", 3), ("bert", 3), ("vit", 2), ("resnet", 3)])
 def test_task_models_train_exactly_through_the_fit_flag(installed, arch, segments):
-    """LlamaCausalLM with LoRA, BertTextClassifier, ViTImageClassifier and
-    ResNetImageClassifier: the flag gives plain `fit`'s history (loss and
+    """LlamaCausalLM with LoRA, Gemma3CausalLM, BertTextClassifier,
+    ViTImageClassifier and ResNetImageClassifier: the flag gives plain `fit`'s history (loss and
     the task's metrics) and weights, cuts inside the backbone (but ViT's,
     whose blocks are one layer), recomputes, and leaves the task model
     what it was."""
