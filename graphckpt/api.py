@@ -16,7 +16,7 @@ import keras
 from graphckpt import errors, keras_compat
 from graphckpt.budget import check_batch_size, choose_plan
 from graphckpt.checkpointed import checkpointed_model
-from graphckpt.graph import build_graph, functional_of
+from graphckpt.graph import build_graph, functional_of, kept_whole_note
 from graphckpt.plan import Plan
 from graphckpt.segment import Segment
 from graphckpt.shapes import InputShape, sized_graph
@@ -332,13 +332,16 @@ def checkpoint_model(
     if unchanged is None and not any(s.remat for s in the_plan.segments):
         unchanged = "the plan recomputes no layer call"
     if unchanged:
-        warnings.warn(f"Model '{model.name}' returned unchanged: {unchanged}.", stacklevel=2)
+        warnings.warn(f"Model '{model.name}' returned unchanged: {unchanged}.{kept_whole_note(graph)}", stacklevel=2)
         return model
     if the_plan.num_layer_calls < 2:
         warnings.warn(
             f"Model '{model.name}' has {the_plan.num_layer_calls} layer "
-            "call(s): nothing worth checkpointing. Returning it unchanged.",
+            f"call(s): nothing worth checkpointing. Returning it unchanged.{kept_whole_note(graph)}",
             stacklevel=2,
         )
         return model
+    note = kept_whole_note(graph)
+    if note:
+        warnings.warn(f"Model '{model.name}':{note}", stacklevel=2)
     return checkpointed_model(model, graph, the_plan)

@@ -193,7 +193,7 @@ def _twin_for(model, planner_kwargs):
     """The cached checkpointed twin of `model` for these planner arguments."""
     from graphckpt import api
     from graphckpt.checkpointed import checkpointed_model
-    from graphckpt.graph import build_graph
+    from graphckpt.graph import build_graph, kept_whole_note
     from graphckpt.segment import Segment
 
     the_plan = api.plan(model, **planner_kwargs)  # raises the same errors as checkpoint_model
@@ -206,7 +206,11 @@ def _twin_for(model, planner_kwargs):
     key = _plan_key(the_plan)
     twin = cache.twins.get(key)
     if twin is None:
-        ck = checkpointed_model(model, build_graph(model), the_plan)
+        graph = build_graph(model)
+        note = kept_whole_note(graph)
+        if note:
+            warnings.warn(f"Model '{model.name}':{note}", stacklevel=4)
+        ck = checkpointed_model(model, graph, the_plan)
         twin = _Twin(ck, [l for l in ck.layers if isinstance(l, Segment)])
         cache.twins[key] = twin
     return twin
@@ -268,7 +272,12 @@ def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
     _check_own_call(model)
     twin = _twin_for(model, _with_data_shapes(planner_kwargs, original, model, args, kwargs))
     if twin is None:
-        warnings.warn(f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.", stacklevel=3)
+        from graphckpt.graph import build_graph, kept_whole_note
+
+        note = kept_whole_note(build_graph(model))
+        warnings.warn(
+            f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{note}", stacklevel=3
+        )
         return original(model, *args, **kwargs)
     saved_call = model.__dict__.get("call", _MISSING)
     saved_fn = getattr(model, "train_function", None)

@@ -27,6 +27,8 @@ Contract:
   Dropout; for all Lambda and custom layers, whatever their code may share,
   such as Keras's global seed generator), each in Keras's execution order:
   they must run in that order.
+- `graph.graph["kept_whole"]` maps the path of each nested model's call that
+  stays one node to why (`kept_whole_note` puts it in words for warnings).
 - `graph.graph["tensors"]` maps each tensor key to a `TensorInfo`;
   `graph.graph["inputs"]` / `["outputs"]` list the model's input and output
   tensor keys, flattened, in the model's order.
@@ -187,8 +189,9 @@ def _state_chains(graph):
 
 
 def _flattenable(node, consumed):
-    """The `Functional` to flatten in place of `node`'s call, or None to keep
-    the call as one node.
+    """`(Functional, None)` to flatten in place of `node`'s call, or
+    `(None, reason)` to keep the call as one node (`reason` None for a call
+    that is not a nested model's).
 
     A call of a nested functional model (or built Sequential) is flattened
     when replaying its layer calls one by one computes exactly what calling
@@ -205,28 +208,29 @@ def _flattenable(node, consumed):
 
     op = node.operation
     if not isinstance(op, keras.Model):
-        return None
+        return None, None
     inner = functional_of(op)
     if not isinstance(inner, Functional) or type(op).call not in (Functional.call, keras.Sequential.call):
-        return None
+        return None, f"its class {type(op).__name__} has a `call` of its own"
     if type(inner).call is not Functional.call:
-        return None
+        return None, f"its class {type(inner).__name__} has a `call` of its own"
     kwargs = node.arguments.kwargs
     if set(kwargs) - {"inputs", "training", "mask"} or len(node.arguments.args) + ("inputs" in kwargs) != 1:
-        return None
+        return None, "it is called with arguments besides its inputs and `training`"
     if any(m is not None for m in tree.flatten(kwargs.get("mask"))):
-        return None  # Keras fills in `mask` itself, all None without masks
+        return None, "it is called with a mask"  # Keras fills in `mask` itself, all None without masks
     called_on = _called_on(node)
     outer = tree.flatten(called_on)
+    mismatch = "it is called on tensors whose number, dtype or rank differ from its inputs'"
     if len(outer) != len(inner.inputs) or not all(
         _is_keras_tensor(t) and t.dtype == x.dtype and len(t.shape) == len(x.shape) for t, x in zip(outer, inner.inputs)
     ):
-        return None
+        return None, mismatch
     try:
         tree.assert_same_structure(called_on, keras_compat.structures(inner)[0])
     except (TypeError, ValueError):
         if len(outer) != 1:
-            return None
+            return None, mismatch
     # Every inner call and input must still lead to an output used outside:
     # an output nothing reads (a keras_hub backbone's `sequence_output`
     # beside the `pooled_output` a classifier takes) is fine when calls
@@ -237,11 +241,11 @@ def _flattenable(node, consumed):
         if n.is_input:
             continue
         if not any(id(t) in live for t in n.outputs):
-            return None
+            return None, f"its call of '{n.operation.name}' leads only to outputs that nothing outside it reads"
         live.update(id(t) for t in n.input_tensors)
     if not all(id(x) in live for x in inner.inputs):
-        return None
-    return inner
+        return None, "one of its inputs leads to no output that anything outside it reads"
+    return inner, None
 
 
 def _called_on(node):
@@ -274,6 +278,7 @@ class _Builder:
         self.position = 0
         self.flattened = {}  # id(nested model) -> how many of its calls so far
         self.keep_whole = keep_whole  # ids of nested models not to flatten
+        self.whole = {}  # path of a nested model's call kept whole -> why
 
     def add(self, fn, prefix="", bound=None, training=None, scope=None):
         """Adds `fn`'s calls; `bound` maps `fn`'s input tensors (ids) to the
@@ -289,7 +294,12 @@ class _Builder:
                     keys[id(node.outputs[0])] = tensor_key(node.outputs[0])
                 continue
             in_keys = [keys[id(t)] for t in node.input_tensors]
-            inner = None if id(node.operation) in self.keep_whole else _flattenable(node, consumed)
+            if id(node.operation) in self.keep_whole:
+                inner, why = None, "its layers' names clash with other layers of the model"
+            else:
+                inner, why = _flattenable(node, consumed)
+            if why is not None:
+                self.whole[prefix + node.operation.name] = why
             if inner is None:
                 out_keys = self._add_node(node, prefix, in_keys, training, scope)
             else:
@@ -383,7 +393,21 @@ def build_graph(model):
     graph.graph["inputs"] = [keys[id(t)] for t in fn.inputs]
     graph.graph["outputs"] = [keys[id(t)] for t in fn.outputs]
     graph.graph["name"] = model.name
+    graph.graph["kept_whole"] = builder.whole
     return graph
+
+
+def kept_whole_note(graph):
+    """A sentence for a warning: the nested models whose calls stay one node
+    (no cut can fall inside them) and why; empty when there are none."""
+    whole = graph.graph.get("kept_whole") or {}
+    if not whole:
+        return ""
+    items = "; ".join(f"'{name}' ({why})" for name, why in whole.items())
+    return (
+        f" Nested models called as one layer, which no cut can enter: {items}. "
+        "docs/how-it-works.md says when graphckpt cuts inside a nested model."
+    )
 
 
 def live_tensors(graph):

@@ -5,7 +5,7 @@ import networkx as nx
 import numpy as np
 from keras import layers
 
-from graphckpt.graph import build_graph
+from graphckpt.graph import build_graph, kept_whole_note
 from tests import models
 
 
@@ -96,6 +96,14 @@ def test_nested_calls_that_cannot_be_replayed_call_by_call_stay_whole():
     g = build_graph(keras.Model(inp, out))
     assert sorted(_whole(g)) == ["cast", "custom", "passing", "two"]
     assert any(n[0].startswith("plain/") for n in g.nodes)
+    # Each is named with its reason, for the warnings (kept_whole_note).
+    why = g.graph["kept_whole"]
+    assert sorted(why) == ["cast", "custom", "passing", "two"]
+    assert "'dense" in why["two"] and "nothing outside it reads" in why["two"]
+    assert "Custom" in why["custom"] and "dtype" in why["cast"] and "inputs" in why["passing"]
+    note = kept_whole_note(g)
+    assert all(f"'{name}'" in note for name in why)
+    assert kept_whole_note(build_graph(keras.Model(inp, _block("alone")(inp)))) == ""
 
 
 def test_a_nested_output_nothing_outside_reads_is_fine_when_calls_inside_read_it():

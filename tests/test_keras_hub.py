@@ -309,3 +309,17 @@ def test_task_models_train_exactly_through_the_fit_flag(installed, arch, segment
     assert len(holding) >= (1 if arch == "vit" else 2)
     np.testing.assert_allclose(to_numpy(model.predict(x, verbose=0)), to_numpy(plain.predict(x, verbose=0)),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_a_backbone_that_stays_one_call_is_named_with_why(installed):
+    """BertMaskedLM reads only `sequence_output`: the backbone's pooler
+    would become dead code, so the backbone stays one call and nothing can
+    be cut. The flag trains plainly and says which model, and why."""
+    keras.utils.set_random_seed(0)
+    lm = keras_hub.models.BertMaskedLM(bert(), preprocessor=None)
+    lm.compile(optimizer="adam")
+    rng = np.random.default_rng(0)
+    x = {**_bert_inputs(), "mask_positions": rng.integers(0, SEQ, (BATCH, 3)).astype("int32")}
+    y = rng.integers(1, VOCAB, (BATCH, 3)).astype("int32")
+    with pytest.warns(UserWarning, match=r"nothing to recompute.*'bert_backbone' \(its call of 'pooled_dense'"):
+        lm.fit(x, y, epochs=1, verbose=0, gradient_checkpointing=True)

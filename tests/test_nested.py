@@ -41,3 +41,24 @@ def test_a_frozen_backbone_stays_frozen_and_the_head_trains_exactly():
     ck = graphckpt.checkpoint_model(model, segments=4)
     assert len(ck.trainable_variables) == len(model.trainable_variables) == 2  # the head's kernel and bias
     compare_step(model, ck, _images())  # frozen BatchNorm layers run in inference mode in both
+
+
+def test_checkpoint_model_names_a_nested_model_it_cannot_cut_into():
+    """A nested model that overrides `call` is recomputed whole: the
+    checkpointed model is still exact, and a warning says which model and
+    why (issue 12: it used to save nothing without a word)."""
+    import pytest
+
+    class Scaled(keras.Model):
+        def call(self, inputs, training=None):
+            return super().call(inputs, training=training) * 2.0
+
+    keras.utils.set_random_seed(0)
+    i = keras.Input((8,))
+    block = Scaled(i, keras.layers.Dense(8, activation="tanh")(keras.layers.Dense(8)(i)), name="scaled")
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(8, activation="tanh")(inp)
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(8)(block(h))))
+    with pytest.warns(UserWarning, match=r"'scaled' \(its class Scaled has a `call` of its own\)"):
+        ck = graphckpt.checkpoint_model(model, segments=2)
+    compare_step(model, ck, np.random.default_rng(0).normal(size=(4, 8)).astype("float32"))
