@@ -11,6 +11,7 @@ arguments with random init.
 Usage:
     python benchmarks/hub.py backbone [--repeats 3]
     python benchmarks/hub.py lora [--repeats 3]
+    python benchmarks/hub.py classifier [--repeats 3]   # BertTextClassifier, the same size, through the fit flag
     python benchmarks/hub.py longest [--budget-mib 1024]
     python benchmarks/hub.py exact            # fit flag vs plain fit, LoRA, dropout on
     python benchmarks/hub.py estimate         # the estimator against the saved backbone and lora runs
@@ -47,6 +48,11 @@ BACKBONE = dict(num_layers=12, num_heads=4, hidden_dim=256, intermediate_dim=102
 # without checkpointing; a large vocabulary makes them the bulk of the peak
 # (at 50,257 tokens, seq 512, batch 8: 823 MB each).
 LM = dict(BACKBONE, vocabulary_size=1000)
+# A BERT text classifier of the same size (`classifier`): its task takes the
+# backbone's `pooled_output` only, beside which the backbone also returns
+# `sequence_output`.
+BERT = dict(BACKBONE, vocabulary_size=1000)
+BERT_INPUTS = ("token_ids", "segment_ids", "padding_mask")
 
 
 def gpt2_backbone(vocabulary_size=50257, max_sequence_length=1024, **kwargs):
@@ -67,14 +73,21 @@ def lora_causal_lm(max_sequence_length=4096, rank=4, **kwargs):
     return lm
 
 
-def fit_flag_twin(build, seq):
+def bert_classifier(max_sequence_length=512):
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(max_sequence_length=max_sequence_length, **BERT)
+    return keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=None)
+
+
+def fit_flag_twin(build, seq, names=("token_ids", "padding_mask")):
     """What `fit(..., gradient_checkpointing=True)` trains in place of
     `build()`'s forward pass: its checkpointed twin, planned for the data's
     shapes (`graphckpt.fit` builds the same one), over the same layers."""
     from graphckpt.fit import _twin_for
 
     model = build()
-    twin = _twin_for(model, {"input_shape": _shape(8, seq)})
+    twin = _twin_for(model, {"input_shape": _shape(8, seq, names)})
     return twin.model
 
 
@@ -88,8 +101,8 @@ def as_functional(build):
     return keras.Model(lm.input, lm.output, name=f"{lm.name}_plain")
 
 
-def _shape(batch, seq):
-    return {"token_ids": [batch, seq], "padding_mask": [batch, seq]}
+def _shape(batch, seq, names=("token_ids", "padding_mask")):
+    return {name: [batch, seq] for name in names}
 
 
 def _ratio_rows(runs):
@@ -135,6 +148,14 @@ def run_lora(args):
     runs = _pair(f"{ME}:lora_causal_lm", 8, shape, spec, args.repeats, baseline=dict(method=f"{ME}:as_functional"))
     return {"model": {"GPT2CausalLM": LM, "lora_rank": 4}, "batch": 8, "seq": args.seq, "runs": runs,
             "summary": _ratio_rows(runs), "target": {"peak": 0.35}}
+
+
+def run_classifier(args):
+    shape = _shape(8, args.seq, BERT_INPUTS)
+    spec = dict(method=f"{ME}:fit_flag_twin", method_kwargs={"seq": args.seq, "names": list(BERT_INPUTS)})
+    runs = _pair(f"{ME}:bert_classifier", 8, shape, spec, args.repeats, baseline=dict(method=f"{ME}:as_functional"))
+    return {"model": {"BertTextClassifier": BERT, "num_classes": 2}, "batch": 8, "seq": args.seq, "runs": runs,
+            "summary": _ratio_rows(runs)}
 
 
 def run_longest(args):
@@ -237,13 +258,14 @@ def run_dropout(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["backbone", "lora", "longest", "exact", "estimate", "dropout"])
+    parser.add_argument("what", choices=["backbone", "lora", "classifier", "longest", "exact", "estimate", "dropout"])
     parser.add_argument("--backend", default="jax", help="the Keras backend of `dropout`'s runs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--budget-mib", type=int, default=1024)
     args = parser.parse_args()
-    result = {"backbone": run_backbone, "lora": run_lora, "longest": run_longest, "exact": run_exact,
+    result = {"backbone": run_backbone, "lora": run_lora, "classifier": run_classifier, "longest": run_longest,
+              "exact": run_exact,
               "estimate": run_estimate, "dropout": run_dropout}[args.what](args)
     result["date"] = datetime.date.today().isoformat()
     result["command"] = "python benchmarks/hub.py " + " ".join(sys.argv[1:])

@@ -9,9 +9,10 @@ Contract:
   0)`; a model's second flattened call is `"name@1/..."`), so cuts can fall
   inside it. Each call of a model called twice is flattened on its own, and
   its layers are then shared calls like any other. A nested call that could
-  not be replayed call by call exactly (see `_flattenable`: an overridden
-  `call`, extra call arguments, an unused output, an input it ignores) stays
-  one node.
+  not be replayed call by call exactly (see `graphckpt.nesting.flattenable`: an overridden
+  `call`, extra call arguments, a call of it leading only to outputs
+  nothing reads, an input it ignores) stays one node, and
+  `graph.graph["kept_whole"]` says why.
 - Each node's `in_keys` / `out_keys` are the graph keys of its Keras
   node's `input_tensors` / `outputs`, in order: a flattened model's inner
   inputs stand for the outer tensors they were called on, and its outer
@@ -47,6 +48,7 @@ import math
 import networkx as nx
 
 from graphckpt import keras_compat
+from graphckpt.nesting import called_on, flattenable, functional_of, kept_whole_note, nodes_of
 
 __all__ = [
     "TensorInfo",
@@ -55,6 +57,7 @@ __all__ = [
     "call_ordinals",
     "dependencies",
     "functional_of",
+    "kept_whole_note",
     "live_tensors",
     "tensor_key",
 ]
@@ -102,15 +105,6 @@ def _tensor_info(tensor, producer, key):
         dtype=str(tensor.dtype),
         nbytes=int(per_example * dtype_size(tensor.dtype)),
     )
-
-
-def functional_of(model):
-    """The `Functional` that holds `model`'s graph (a Sequential's inner one)."""
-    import keras
-
-    if isinstance(model, keras.Sequential):
-        return keras_compat.sequential_functional(model)
-    return model
 
 
 def dependencies(model, outputs=None):
@@ -188,89 +182,9 @@ def _state_chains(graph):
     return list(dict.fromkeys(chains))
 
 
-def _flattenable(node, consumed):
-    """`(Functional, None)` to flatten in place of `node`'s call, or
-    `(None, reason)` to keep the call as one node (`reason` None for a call
-    that is not a nested model's).
-
-    A call of a nested functional model (or built Sequential) is flattened
-    when replaying its layer calls one by one computes exactly what calling
-    the model does: its class runs Keras's own `Functional.call` (no
-    override), it is called on one structure of tensors that matches its
-    inputs in count, dtype and rank (so Keras converts and reshapes nothing),
-    with no argument but `training` and no mask; and every call and input
-    inside it leads to an output used outside it (so no call, of it or
-    before it, becomes dead code that the original would still run).
-    """
-    import keras
-    from keras import tree
-    Functional = keras_compat.functional_class()
-
-    op = node.operation
-    if not isinstance(op, keras.Model):
-        return None, None
-    inner = functional_of(op)
-    if not isinstance(inner, Functional) or type(op).call not in (Functional.call, keras.Sequential.call):
-        return None, f"its class {type(op).__name__} has a `call` of its own"
-    if type(inner).call is not Functional.call:
-        return None, f"its class {type(inner).__name__} has a `call` of its own"
-    kwargs = node.arguments.kwargs
-    if set(kwargs) - {"inputs", "training", "mask"} or len(node.arguments.args) + ("inputs" in kwargs) != 1:
-        return None, "it is called with arguments besides its inputs and `training`"
-    if any(m is not None for m in tree.flatten(kwargs.get("mask"))):
-        return None, "it is called with a mask"  # Keras fills in `mask` itself, all None without masks
-    called_on = _called_on(node)
-    outer = tree.flatten(called_on)
-    mismatch = "it is called on tensors whose number, dtype or rank differ from its inputs'"
-    if len(outer) != len(inner.inputs) or not all(
-        _is_keras_tensor(t) and t.dtype == x.dtype and len(t.shape) == len(x.shape) for t, x in zip(outer, inner.inputs)
-    ):
-        return None, mismatch
-    try:
-        tree.assert_same_structure(called_on, keras_compat.structures(inner)[0])
-    except (TypeError, ValueError):
-        if len(outer) != 1:
-            return None, mismatch
-    # Every inner call and input must still lead to an output used outside:
-    # an output nothing reads (a keras_hub backbone's `sequence_output`
-    # beside the `pooled_output` a classifier takes) is fine when calls
-    # inside read it, but not an input only passed through to it (whatever
-    # made that input outside would become dead code).
-    live = {id(x) for x, t in zip(inner.outputs, node.outputs) if id(t) in consumed}
-    for n in reversed(_nodes_of(inner)):
-        if n.is_input:
-            continue
-        if not any(id(t) in live for t in n.outputs):
-            return None, f"its call of '{n.operation.name}' leads only to outputs that nothing outside it reads"
-        live.update(id(t) for t in n.input_tensors)
-    if not all(id(x) in live for x in inner.inputs):
-        return None, "one of its inputs leads to no output that anything outside it reads"
-    return inner, None
-
-
-def _called_on(node):
-    """What a nested model's call passed as its `inputs`: the one positional
-    argument, or `inputs=` (keras_hub's Gemma3CausalLM calls its backbone
-    as `backbone(inputs=inputs)`)."""
-    args = node.arguments.args
-    return args[0] if args else node.arguments.kwargs["inputs"]
-
-
-def _is_keras_tensor(x):
-    import keras
-
-    return isinstance(x, keras.KerasTensor)
-
-
-def _nodes_of(fn):
-    """`fn`'s nodes in Keras's execution order (inputs first)."""
-    by_depth = keras_compat.nodes_by_depth(fn)
-    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]]
-
-
 class _Builder:
     """Adds the layer calls of a functional model to a graph, flattening
-    nested models' calls (see `_flattenable`)."""
+    nested models' calls (see `graphckpt.nesting.flattenable`)."""
 
     def __init__(self, keep_whole=frozenset()):
         self.graph = nx.DiGraph()
@@ -285,7 +199,7 @@ class _Builder:
         graph keys they stand for, `training` is what an enclosing call
         forces. Returns id(KerasTensor of `fn`) -> graph tensor key."""
         keys = dict(bound or {})
-        nodes = _nodes_of(fn)
+        nodes = nodes_of(fn)
         consumed = {id(t) for n in nodes for t in n.input_tensors} | {id(t) for t in fn.outputs}
         for node in nodes:
             if node.is_input:
@@ -297,7 +211,7 @@ class _Builder:
             if id(node.operation) in self.keep_whole:
                 inner, why = None, "its layers' names clash with other layers of the model"
             else:
-                inner, why = _flattenable(node, consumed)
+                inner, why = flattenable(node, consumed)
             if why is not None:
                 self.whole[prefix + node.operation.name] = why
             if inner is None:
@@ -309,7 +223,7 @@ class _Builder:
                 inner_prefix = f"{prefix}{op.name}{'' if k == 0 else f'@{k}'}/"
                 from keras import tree
 
-                outer = tree.flatten(_called_on(node))
+                outer = tree.flatten(called_on(node))
                 inner_bound = {id(x): keys[id(t)] for x, t in zip(inner.inputs, outer)}
                 forced = training if training is not None else node.arguments.kwargs.get("training")
                 inner_keys = self.add(inner, inner_prefix, inner_bound, forced, op)
@@ -395,19 +309,6 @@ def build_graph(model):
     graph.graph["name"] = model.name
     graph.graph["kept_whole"] = builder.whole
     return graph
-
-
-def kept_whole_note(graph):
-    """A sentence for a warning: the nested models whose calls stay one node
-    (no cut can fall inside them) and why; empty when there are none."""
-    whole = graph.graph.get("kept_whole") or {}
-    if not whole:
-        return ""
-    items = "; ".join(f"'{name}' ({why})" for name, why in whole.items())
-    return (
-        f" Nested models called as one layer, which no cut can enter: {items}. "
-        "docs/how-it-works.md says when graphckpt cuts inside a nested model."
-    )
 
 
 def live_tensors(graph):

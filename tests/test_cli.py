@@ -331,6 +331,7 @@ def test_inspect_nested_json_and_dot(capsys, files):
     info = json.loads(out)
     model = keras.saving.load_model(files["nested"])
     check_coverage(info, model)
+    assert info["kept_whole"] == {}  # every nested call flattened
     calls = [c for s in info["segments"] for c in s["calls"]]
     # Inside the block, called twice: each call's layers under its own path.
     block = model.get_layer("block")
@@ -344,6 +345,21 @@ def test_inspect_nested_json_and_dot(capsys, files):
     declared = re.findall(r'^    ("[^"]+");$', out, flags=re.M)
     assert sorted(json.loads(d) for d in declared) == sorted(c for s in info["segments"] for c in s["calls"])
     assert out.count(" -> ") == build_graph(model).number_of_edges()
+
+
+def test_inspect_names_a_nested_model_it_cannot_cut_into(capsys, tmp_path):
+    i = keras.Input((4,))
+    h = keras.layers.Dense(4)(i)
+    two = keras.Model(i, [keras.layers.Dense(4, name="used")(h), keras.layers.Dense(4, name="dead")(h)], name="two")
+    inp = keras.Input((4,))
+    used, _ = two(inp)
+    path = tmp_path / "whole.keras"
+    keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(4)(used))).save(path)
+    code, out, err = run_main(capsys, "inspect", path, "--segments", 2, "--batch-size", 2)
+    assert code == 0, err
+    assert "nested model 'two' is one layer call, no cut inside it: its call of 'dead' leads only to outputs" in out
+    code, out, _ = run_main(capsys, "inspect", path, "--segments", 2, "--batch-size", 2, "--format", "json")
+    assert list(json.loads(out)["kept_whole"]) == ["two"]
 
 
 def test_inspect_a_checkpointed_file_shows_its_own_plan(capsys, files):

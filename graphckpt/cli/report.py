@@ -103,6 +103,7 @@ def describe(model, graph, plan, batch_size=None):
         "bytes_are": f"for a batch of {memory.batch_size}" if memory.batch_size else "per example",
         "segments": segments,
         "outside": outside,
+        "kept_whole": dict(graph.graph.get("kept_whole") or {}),
         "totals": {
             "baseline_bytes": memory.baseline_peak_bytes,
             "plan_bytes": memory.peak_bytes,
@@ -194,6 +195,8 @@ def render_table(info, console):
     )
     if totals["unknown_layers"]:
         console.print(f"estimated conservatively (unknown layers): {', '.join(totals['unknown_layers'])}")
+    for name, why in info["kept_whole"].items():
+        console.print(f"nested model '{name}' is one layer call, no cut inside it: {why}")
     if any(not s["recomputed"] for s in info["segments"]):
         console.print("* runs inline, not recomputed: its layer calls run as they are and keep what they keep")
     if any(s["inner"] for s in info["segments"]):

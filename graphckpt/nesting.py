@@ -1,0 +1,116 @@
+"""Which calls of nested models the graph flattens (replays layer by layer,
+so cuts can fall inside them) and which stay one node, and why.
+
+A nested functional model or Sequential called as a layer is flattened
+when replaying its layer calls one by one computes exactly what calling it
+does (`flattenable`); otherwise it stays one call, recomputed whole, and
+`graph.graph["kept_whole"]` records why (`kept_whole_note` words it for the
+warnings of `checkpoint_model` and the fit flag).
+"""
+
+from graphckpt import keras_compat
+
+__all__ = ["called_on", "flattenable", "functional_of", "kept_whole_note", "nodes_of"]
+
+
+def functional_of(model):
+    """The `Functional` that holds `model`'s graph (a Sequential's inner one)."""
+    import keras
+
+    if isinstance(model, keras.Sequential):
+        return keras_compat.sequential_functional(model)
+    return model
+
+
+def flattenable(node, consumed):
+    """`(Functional, None)` to flatten in place of `node`'s call, or
+    `(None, reason)` to keep the call as one node (`reason` None for a call
+    that is not a nested model's).
+
+    A call of a nested functional model (or built Sequential) is flattened
+    when replaying its layer calls one by one computes exactly what calling
+    the model does: its class runs Keras's own `Functional.call` (no
+    override), it is called on one structure of tensors that matches its
+    inputs in count, dtype and rank (so Keras converts and reshapes nothing),
+    with no argument but its inputs (by position or as `inputs=`) and
+    `training`, and no mask; and every call and input
+    inside it leads to an output used outside it (so no call, of it or
+    before it, becomes dead code that the original would still run).
+    """
+    import keras
+    from keras import tree
+    Functional = keras_compat.functional_class()
+
+    op = node.operation
+    if not isinstance(op, keras.Model):
+        return None, None
+    inner = functional_of(op)
+    if not isinstance(inner, Functional) or type(op).call not in (Functional.call, keras.Sequential.call):
+        return None, f"its class {type(op).__name__} has a `call` of its own"
+    if type(inner).call is not Functional.call:
+        return None, f"its class {type(inner).__name__} has a `call` of its own"
+    kwargs = node.arguments.kwargs
+    if set(kwargs) - {"inputs", "training", "mask"} or len(node.arguments.args) + ("inputs" in kwargs) != 1:
+        return None, "it is called with arguments besides its inputs and `training`"
+    if any(m is not None for m in tree.flatten(kwargs.get("mask"))):
+        return None, "it is called with a mask"  # Keras fills in `mask` itself, all None without masks
+    structure = called_on(node)
+    outer = tree.flatten(structure)
+    mismatch = "it is called on tensors whose number, dtype or rank differ from its inputs'"
+    if len(outer) != len(inner.inputs) or not all(
+        _is_keras_tensor(t) and t.dtype == x.dtype and len(t.shape) == len(x.shape) for t, x in zip(outer, inner.inputs)
+    ):
+        return None, mismatch
+    try:
+        tree.assert_same_structure(structure, keras_compat.structures(inner)[0])
+    except (TypeError, ValueError):
+        if len(outer) != 1:
+            return None, mismatch
+    # Every inner call and input must still lead to an output used outside:
+    # an output nothing reads (a keras_hub backbone's `sequence_output`
+    # beside the `pooled_output` a classifier takes) is fine when calls
+    # inside read it, but not an input only passed through to it (whatever
+    # made that input outside would become dead code).
+    live = {id(x) for x, t in zip(inner.outputs, node.outputs) if id(t) in consumed}
+    for n in reversed(nodes_of(inner)):
+        if n.is_input:
+            continue
+        if not any(id(t) in live for t in n.outputs):
+            return None, f"its call of '{n.operation.name}' leads only to outputs that nothing outside it reads"
+        live.update(id(t) for t in n.input_tensors)
+    if not all(id(x) in live for x in inner.inputs):
+        return None, "one of its inputs leads to no output that anything outside it reads"
+    return inner, None
+
+
+def called_on(node):
+    """What a nested model's call passed as its `inputs`: the one positional
+    argument, or `inputs=` (keras_hub's Gemma3CausalLM calls its backbone
+    as `backbone(inputs=inputs)`)."""
+    args = node.arguments.args
+    return args[0] if args else node.arguments.kwargs["inputs"]
+
+
+def _is_keras_tensor(x):
+    import keras
+
+    return isinstance(x, keras.KerasTensor)
+
+
+def nodes_of(fn):
+    """`fn`'s nodes in Keras's execution order (inputs first)."""
+    by_depth = keras_compat.nodes_by_depth(fn)
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]]
+
+
+def kept_whole_note(graph):
+    """A sentence for a warning: the nested models whose calls stay one node
+    (no cut can fall inside them) and why; empty when there are none."""
+    whole = graph.graph.get("kept_whole") or {}
+    if not whole:
+        return ""
+    items = "; ".join(f"'{name}' ({why})" for name, why in whole.items())
+    return (
+        f" Nested models called as one layer, which no cut can enter: {items}. "
+        "docs/how-it-works.md says when graphckpt cuts inside a nested model."
+    )
