@@ -331,17 +331,17 @@ def checkpoint_model(
     graph, _, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy, input_shape)
     if unchanged is None and not any(s.remat for s in the_plan.segments):
         unchanged = "the plan recomputes no layer call"
+    note = kept_whole_note(graph)  # nested models no cut can enter, if any
     if unchanged:
-        warnings.warn(f"Model '{model.name}' returned unchanged: {unchanged}.{kept_whole_note(graph)}", stacklevel=2)
+        warnings.warn(f"Model '{model.name}' returned unchanged: {unchanged}.{note}", stacklevel=2)
         return model
     if the_plan.num_layer_calls < 2:
         warnings.warn(
             f"Model '{model.name}' has {the_plan.num_layer_calls} layer "
-            f"call(s): nothing worth checkpointing. Returning it unchanged.{kept_whole_note(graph)}",
+            f"call(s): nothing worth checkpointing. Returning it unchanged.{note}",
             stacklevel=2,
         )
         return model
-    note = kept_whole_note(graph)
     if note:
         warnings.warn(f"Model '{model.name}':{note}", stacklevel=2)
     return checkpointed_model(model, graph, the_plan)
