@@ -211,7 +211,8 @@ class Segment(keras.layers.Layer):
                 )
             with scope:
                 before = dict(scope.state_mapping)
-                outs = model(xs, training=True, mask=masks)
+                with keras_compat.freeing_dead_tensors(model):
+                    outs = model(xs, training=True, mask=masks)
                 outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
                 out_masks = [keras_compat.backend_module().get_keras_mask(o) for o in outs]
                 out_logits = [keras_compat.logits_of(o) for o in outs]
