@@ -18,6 +18,7 @@ import pytest
 import graphckpt
 from graphckpt import keras_compat
 from graphckpt.segment import Segment
+from tests import models
 from tests.helpers import BACKEND, to_numpy
 
 pytestmark = pytest.mark.backends
@@ -26,11 +27,7 @@ DEPTH, WIDTH, BATCH = 8, 16, 4
 
 
 def _chain():
-    inp = keras.Input((WIDTH,))
-    x = inp
-    for _ in range(DEPTH):
-        x = keras.layers.Dense(WIDTH, activation="tanh")(x)
-    return keras.Model(inp, keras.layers.Dense(1)(x))
+    return models.chain(depth=DEPTH, width=WIDTH)
 
 
 class _AliveAtEachCall:
