@@ -43,6 +43,13 @@ def nodes_by_depth(fn):
     return fn._nodes_by_depth
 
 
+def nodes_of(fn):
+    """`fn`'s nodes in Keras's execution order (inputs first), as
+    `Function._run_through_graph` walks them."""
+    by_depth = nodes_by_depth(fn)
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]]
+
+
 def set_nodes_by_depth(fn, nodes):
     """Replaces a Functional's node order (graphckpt's rewrite fixes the
     order in which a rewritten model runs its calls)."""
@@ -68,13 +75,7 @@ def run_freeing_dead_tensors(fn, inputs, operation_fn, call_fn=None):
         return type(fn)._run_through_graph(fn, inputs, operation_fn=operation_fn, call_fn=call_fn)
     from keras import tree
 
-    by_depth = fn._nodes_by_depth
-    nodes = [
-        node
-        for depth in sorted(by_depth, reverse=True)
-        for node in by_depth[depth]
-        if node.operation and not node.is_input
-    ]
+    nodes = [node for node in nodes_of(fn) if node.operation and not node.is_input]
     reads = [{id(x) for x in node.input_tensors} for node in nodes]
     uses = {}
     for ids in reads:

@@ -9,6 +9,7 @@ warnings of `checkpoint_model` and the fit flag).
 """
 
 from graphckpt import keras_compat
+from graphckpt.keras_compat import nodes_of
 
 __all__ = ["called_on", "flattenable", "functional_of", "kept_whole_note", "nodes_of"]
 
@@ -95,12 +96,6 @@ def _is_keras_tensor(x):
     import keras
 
     return isinstance(x, keras.KerasTensor)
-
-
-def nodes_of(fn):
-    """`fn`'s nodes in Keras's execution order (inputs first)."""
-    by_depth = keras_compat.nodes_by_depth(fn)
-    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]]
 
 
 def kept_whole_note(graph):
