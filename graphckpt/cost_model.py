@@ -28,6 +28,8 @@ __all__ = [
     "DATA",
     "NANOSECOND",
     "PRUNING_BACKENDS",
+    "FREEING_BACKENDS",
+    "backend_frees_gradients",
     "backend_prunes",
     "call_seconds",
     "io_bytes",
@@ -119,3 +121,20 @@ def backend_prunes():
     import keras
 
     return keras.backend.backend() in PRUNING_BACKENDS
+
+
+# Backends whose Keras trainer frees the previous step's weight gradients
+# between the forward and the backward pass: Keras's torch trainer runs the
+# forward pass, then `zero_grad()`, then `loss.backward()`
+# (keras/src/backend/torch/trainer.py `train_step`), so the backward pass
+# starts on that memory (`graphckpt.planner.NodeCosts.freed`). TensorFlow
+# and JAX make a step's gradients inside the step and free them with it.
+FREEING_BACKENDS = ("torch",)
+
+
+def backend_frees_gradients():
+    """Whether the current Keras backend frees the last step's weight
+    gradients before the backward pass."""
+    import keras
+
+    return keras.backend.backend() in FREEING_BACKENDS

@@ -203,6 +203,11 @@ def _rule(layer, ins, outs, node=None):
 _WORKSPACE_IO = 1.0
 _WORKSPACE_INTERNAL = 1.0
 _WORKSPACE_PARAMS = 3.0
+# Where the trainer frees the last step's gradients before the backward pass
+# (PyTorch, `cost_model.backend_frees_gradients`), a call's backward makes
+# its gradient, which stays (`NodeCosts.freed` counts it back), and the
+# optimizer runs after the whole backward pass: x1, the gradient itself.
+_WORKSPACE_PARAMS_FREED = 1.0
 # Bytes every plan pays, as multiples of the model outputs' bytes: about one
 # output-sized buffer stays alive through the whole backward pass (the
 # prediction, or its gradient); the loss's other temporaries are gone before
@@ -226,6 +231,21 @@ def _param_bytes(layer):
     return sum(math.prod(v.shape) * _var_itemsize(v) for v in getattr(layer, "trainable_weights", ()))
 
 
+def _freed_gradients(graph, order):
+    """call -> bytes of the weight gradients freed before the backward pass
+    (`NodeCosts.freed`) and made again by that call's backward: each
+    trainable weight's, at the last call in `order` that uses it (the
+    first whose backward runs)."""
+    last = {}
+    for key in order:
+        for v in getattr(graph.nodes[key]["layer"], "trainable_weights", ()):
+            last[id(v)] = (key, math.prod(v.shape) * _var_itemsize(v))
+    freed = {}
+    for key, nbytes in last.values():
+        freed[key] = freed.get(key, 0) + nbytes
+    return freed
+
+
 def _var_itemsize(v):
     dtype = keras.backend.standardize_dtype(v.dtype)
     return max(int("".join(c for c in dtype if c.isdigit()) or 32) // 8, 1)
@@ -239,7 +259,10 @@ def _costs(graph, batch_size):
     tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
     saved, internal, workspace, compute, by_call = set(), {}, {}, {}, {}
     prunable, prunes = set(), cost_model.backend_prunes()
-    for key in topological_order(graph):
+    frees = batch_size is not None and cost_model.backend_frees_gradients()
+    params_factor = _WORKSPACE_PARAMS_FREED if frees else _WORKSPACE_PARAMS
+    order = topological_order(graph)
+    for key in order:
         data = graph.nodes[key]
         ins = [tensors[k] for k in data["in_keys"]]
         outs = [tensors[k] for k in data["out_keys"]]
@@ -251,7 +274,7 @@ def _costs(graph, batch_size):
         workspace[key] = int(_workspace(rule, ins, outs) * scale)
         if batch_size is not None:
             params = _param_bytes(data["layer"]) if rule.param_bytes is None else rule.param_bytes
-            workspace[key] += int(_WORKSPACE_PARAMS * params)
+            workspace[key] += int(params_factor * params)
         compute[key] = cost_model.nanoseconds(cost_model.call_seconds(data["class_name"], rule, ins, outs, batch_size))
         if prunes and rule.is_prunable:
             prunable.add(key)
@@ -266,6 +289,7 @@ def _costs(graph, batch_size):
         per_example=batch_size is None,
         prunable=frozenset(prunable),
         segment_cost=cost_model.nanoseconds(cost_model.segment_seconds()),
+        freed=_freed_gradients(graph, order) if frees else {},
     )
     calls = []
     for key, rule in by_call.items():

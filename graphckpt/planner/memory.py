@@ -54,6 +54,13 @@ class NodeCosts:
             op whose result nothing reads (TensorFlow's graph runtime, XLA).
         segment_cost: the cost of recomputing any segment besides its calls'
             (dispatch), so that a segment of pruned calls is not free.
+        freed: layer call -> bytes the training step frees between the
+            forward and the backward pass and allocates again when that
+            call's backward runs. On PyTorch these are the previous step's
+            weight gradients: Keras's torch trainer runs the forward pass,
+            then `zero_grad()`, then the backward pass. Empty where
+            gradients do not outlive a step (TensorFlow, JAX). Give a
+            weight shared by several calls to the call latest in the order.
     """
 
     tensor_bytes: dict
@@ -65,6 +72,7 @@ class NodeCosts:
     per_example: bool = False
     prunable: frozenset = frozenset()
     segment_cost: float = 0.0
+    freed: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +133,25 @@ class MemoryModel:
         peak = fixed + max_i (sum_{j<i} held_j + inner_i)
         held_j = out(a_j, b_j)                      recomputed segment
                = kept(a_j, b_j) + unsaved_out(a_j, b_j)   otherwise
-        inner_i = max_{v in seg} (kept(a_i, v+1) + workspace(v))
+        inner_i = max_{v in seg} (kept(a_i, v+1) + workspace(v) - freed(0, v+1))
                   + out(a_i, b_i)  [+ in(a_i, b_i) when recomputed]
+        inner_last = max(inner_last, held_last)     the end of the forward pass
     `out(a, b)`: tensors made in [a, b) and used at b or later (as values
     for later consumers, or as gradients coming back from them);
     `in(a, b)`: tensors made before a and used in [a, b), which the
     recompute copies (TensorFlow's `recompute_grad` orders it after the
-    incoming gradient through a data dependency on every argument).
+    incoming gradient through a data dependency on every argument);
+    `freed(0, v+1)`: the bytes freed after the forward pass that calls
+    `[0, v]`, whose backward has not run yet when `v`'s does, have not
+    taken back (`NodeCosts.freed`; zero but on PyTorch). The last segment's
+    peak also covers the end of the forward pass, when every segment holds
+    what it keeps for the backward pass at once (`sum_i held_i`): the peak
+    when the backward pass runs on freed memory. Where nothing is freed,
+    `inner_last >= held_last` already.
 
-    The searches read the five `(n + 1) x (n + 1)` tables `inner_kept`,
-    `inner_remat`, `held_kept`, `held_remat` and `cost_span`, indexed
-    `[a, b]`. Building them is O(n^2) time and memory: build one per
+    The searches read the `(n + 1) x (n + 1)` tables `inner_kept`,
+    `inner_remat`, `held_kept`, `held_remat`, `cost_span` and `copied_span`
+    (`in`), indexed `[a, b]`. Building them is O(n^2) time and memory: build one per
     planning call and pass it on (the `memory=` argument of the searches).
 
     Args:
@@ -188,6 +204,7 @@ class MemoryModel:
         for v in order:
             kept[pos[v]] += sum(costs.tensor_bytes.get(t, 0) for t in produced.get(v, ()) if t in costs.saved)
         work = np.array([costs.workspace.get(v, 0) for v in order], dtype=float)
+        work -= np.cumsum([costs.freed.get(v, 0) for v in order])  # - freed(0, v+1)
         comp = np.array([costs.compute.get(v, 0.0) for v in order], dtype=float)
         kept_prefix = np.concatenate([[0.0], np.cumsum(kept)])
         compute_prefix = np.concatenate([[0.0], np.cumsum(comp)])
@@ -212,14 +229,17 @@ class MemoryModel:
         for a in range(n):
             work_peak[a, a + 1 :] = np.maximum.accumulate(z[a:]) - kept_prefix[a]
 
-        # The five span tables the searches read, indexed [a, b].
+        # The span tables the searches read, indexed [a, b].
         kept_span = kept_prefix[None, :] - kept_prefix[:, None]
         self.inner_kept = work_peak + out
         del work_peak
         self.inner_remat = self.inner_kept + in_
-        del in_
+        self.copied_span = in_
         self.held_kept = kept_span + unsaved_out
         self.held_remat = out
+        # The last segment's backward runs right after the forward pass ends.
+        np.maximum(self.inner_kept[:, n], self.held_kept[:, n], out=self.inner_kept[:, n])
+        np.maximum(self.inner_remat[:, n], self.held_remat[:, n], out=self.inner_remat[:, n])
         self.cost_span = compute_prefix[None, :] - compute_prefix[:, None] - self._pruned(graph, order, pos, comp)
         self.cost_span += costs.segment_cost
 
@@ -340,7 +360,7 @@ class MemoryModel:
 
     def copied(self, a, b):
         """`in(a, b)`: the inputs a recompute of `[a, b)` copies."""
-        return float(self.inner_remat[a, b] - self.inner_kept[a, b])
+        return float(self.copied_span[a, b])
 
     def estimated_peak(self, plan):
         """The model's peak of `plan`, in bytes."""
@@ -363,7 +383,7 @@ class SubSpans:
         self.n = b - a
         self.inner_kept, self.inner_remat = spans.inner_kept[part], spans.inner_remat[part]
         self.held_kept, self.held_remat = spans.held_kept[part], spans.held_remat[part]
-        self.cost_span = spans.cost_span[part]
+        self.cost_span, self.copied_span = spans.cost_span[part], spans.copied_span[part]
 
 
 def recomputed_calls(graph, nodes, prunable):

@@ -83,8 +83,7 @@ class _TwoLevelSpans:
     monotone = False  # a longer span cut again may peak lower
 
     def __init__(self, spans, P, everywhere, cap):
-        copied = spans.inner_remat - spans.inner_kept
-        two = copied + P
+        two = spans.copied_span + P
         if everywhere:
             self.cut = two < spans.inner_remat
         else:
