@@ -7,8 +7,12 @@ fresh process, alternating round by round:
 
     (a) keras      the Keras model (benchmarks/families.py:dense_chain),
                    `graphckpt.measure(..., method="baseline")`
-    (b) graphckpt  `graphckpt.checkpoint_model(model)`, the default plan,
-                   `graphckpt.measure(..., method="graphckpt")`
+    (b) graphckpt  `graphckpt.checkpoint_model(model, batch_size=256)`, the
+                   default plan at the step's batch size (what the fit flag
+                   plans), `graphckpt.measure(..., method="graphckpt")`. On
+                   PyTorch the estimator then counts the weight gradients
+                   freed before the backward pass (`NodeCosts.freed`); on
+                   JAX the plans are the same with and without the batch
     (c) native     the same network in plain PyTorch (nn.Sequential,
                    torch.optim.SGD) or plain JAX (one jitted step),
                    benchmarks/native_peers.py
@@ -71,6 +75,7 @@ def one_run(method, backend, depth, args):
             batch_size=args.batch,
             builder_kwargs=dict(depth=depth, width=args.width, outputs=1),
             method="baseline" if method == "keras" else "graphckpt",
+            checkpoint_kwargs=None if method == "keras" else {"batch_size": args.batch},
             label=method,
             steps=args.steps,
             warmup=args.warmup,

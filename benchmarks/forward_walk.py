@@ -43,31 +43,41 @@ METHODS = {
 }
 
 
+def compare(methods, depth, repeats, out=None):
+    """Each of `methods` (label -> `measure` keyword arguments) on the Dense
+    chain of `depth` layers, alternating over `repeats` rounds; prints and
+    returns the medians of per-round ratios to the "keras" method's."""
+    builder_kwargs = dict(depth=depth, width=1024, outputs=1)
+    runs = {label: [] for label in methods}
+    for r in range(repeats):
+        for label, kw in methods.items():
+            rec = measure(FAMILIES_PY + ":dense_chain", builder_kwargs=builder_kwargs, batch_size=256, steps=4,
+                          warmup=2, backend="torch", **kw)
+            runs[label].append(dict(peak_mib=rec.peak_bytes / 2**20, cpu_s=rec.step_cpu_s, segments=rec.num_segments))
+            print(f"[r{r}] {label:16s} peak {rec.peak_bytes / 2**20:6.1f} MiB  cpu {rec.step_cpu_s:.3f} s"
+                  f"  segments {rec.num_segments}", flush=True)
+    print(f"PyTorch, {depth} x Dense(1024), batch 256, {repeats} rounds (median of per-round ratios):")
+    rows = {}
+    for label, rs in runs.items():
+        peak = statistics.median(a["peak_mib"] / b["peak_mib"] for a, b in zip(rs, runs["keras"]))
+        cpu = statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in zip(rs, runs["keras"]))
+        rows[label] = dict(peak_ratio=peak, cpu_ratio=cpu, peak_mib=statistics.median(a["peak_mib"] for a in rs),
+                           segments=statistics.median(a["segments"] for a in rs))
+        print(f"  {label:16s} {rows[label]['peak_mib']:6.1f} MiB  x{peak:.3f}  CPU x{cpu:.2f}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), depth=depth,
+                           cwd=os.getcwd(), runs=runs, ratios=rows), f, indent=1)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--depth", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    builder_kwargs = dict(depth=args.depth, width=1024, outputs=1)
-    runs = {label: [] for label in METHODS}
-    for r in range(args.repeats):
-        for label, kw in METHODS.items():
-            rec = measure(FAMILIES_PY + ":dense_chain", builder_kwargs=builder_kwargs, batch_size=256, steps=4,
-                          warmup=2, backend="torch", **kw)
-            runs[label].append(dict(peak_mib=rec.peak_bytes / 2**20, cpu_s=rec.step_cpu_s, segments=rec.num_segments))
-            print(f"[r{r}] {label:10s} peak {rec.peak_bytes / 2**20:6.1f} MiB  cpu {rec.step_cpu_s:.3f} s", flush=True)
-    print(f"PyTorch, {args.depth} x Dense(1024), batch 256, {args.repeats} rounds (median of per-round ratios):")
-    rows = {}
-    for label, rs in runs.items():
-        peak = statistics.median(a["peak_mib"] / b["peak_mib"] for a, b in zip(rs, runs["keras"]))
-        cpu = statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in zip(rs, runs["keras"]))
-        rows[label] = dict(peak_ratio=peak, cpu_ratio=cpu, peak_mib=statistics.median(a["peak_mib"] for a in rs))
-        print(f"  {label:10s} {rows[label]['peak_mib']:6.1f} MiB  x{peak:.3f}  CPU x{cpu:.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), depth=args.depth,
-                           cwd=os.getcwd(), runs=runs, ratios=rows), f, indent=1)
+    compare(METHODS, args.depth, args.repeats, args.out)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,9 @@ class SegmentPeak:
         recompute_peak_bytes: the segment's own peak during its backward:
             what its calls keep (recomputed, when `remat`), plus the
             gradients of its outputs and the largest backward workspace.
-        peak_bytes: `fixed + held_before + recompute_peak`.
+        peak_bytes: `fixed + held_before + recompute_peak`, above the memory
+            in use when the step starts: negative where the backward pass
+            runs on memory freed after the forward pass (`NodeCosts.freed`).
         recompute_cost: forward cost recomputed for it (0 when not `remat`;
             calls pruned from its recompute left out).
     """
@@ -135,19 +137,25 @@ class MemoryModel:
                = kept(a_j, b_j) + unsaved_out(a_j, b_j)   otherwise
         inner_i = max_{v in seg} (kept(a_i, v+1) + workspace(v) - freed(0, v+1))
                   + out(a_i, b_i)  [+ in(a_i, b_i) when recomputed]
+        inner_i = max(inner_i, fwd_i)               where something is freed
+        fwd_i = max_{v in seg} ([kept(a_i, v) if kept] + step(v))   its forward pass
         inner_last = max(inner_last, held_last)     the end of the forward pass
     `out(a, b)`: tensors made in [a, b) and used at b or later (as values
     for later consumers, or as gradients coming back from them);
     `in(a, b)`: tensors made before a and used in [a, b), which the
     recompute copies (TensorFlow's `recompute_grad` orders it after the
     incoming gradient through a data dependency on every argument);
-    `freed(0, v+1)`: the bytes freed after the forward pass that calls
-    `[0, v]`, whose backward has not run yet when `v`'s does, have not
-    taken back (`NodeCosts.freed`; zero but on PyTorch). The last segment's
+    `freed(0, v+1)`: of the bytes freed after the forward pass
+    (`NodeCosts.freed`; none but on PyTorch), those of calls `0 .. v`, not
+    allocated again when `v`'s backward runs (their backward comes later,
+    or is `v`'s own, whose workspace counts it). The last segment's
     peak also covers the end of the forward pass, when every segment holds
-    what it keeps for the backward pass at once (`sum_i held_i`): the peak
-    when the backward pass runs on freed memory. Where nothing is freed,
-    `inner_last >= held_last` already.
+    what it keeps for the backward pass at once (`sum_i held_i`), and where
+    something is freed each segment's peak covers its forward pass too
+    (`step(v)`: a call's outputs, internal buffers and the inputs nothing
+    else counts): on freed memory the backward pass may peak below both.
+    Where nothing is freed, `inner_last >= held_last` already, and a call's
+    backward workspace (the estimator's calibration) covers its forward.
 
     The searches read the `(n + 1) x (n + 1)` tables `inner_kept`,
     `inner_remat`, `held_kept`, `held_remat`, `cost_span` and `copied_span`
@@ -228,6 +236,26 @@ class MemoryModel:
         work_peak = np.zeros((n + 1, n + 1))
         for a in range(n):
             work_peak[a, a + 1 :] = np.maximum.accumulate(z[a:]) - kept_prefix[a]
+        frees = any(costs.freed.values())
+        # Whether a span's peak as it is (`inner_kept`) bounds every longer
+        # span's below: not when something is freed, where a kept span holds
+        # its forward pass and a longer recomputed one does not.
+        self.monotone = not frees
+        # A call's forward step: its outputs and internal buffers, and its
+        # inputs where nothing counts them yet: in a recomputed segment, any
+        # (one made before the segment is counted twice); in a kept one, an
+        # input not kept for backward.
+        step_kept = np.array([costs.internal.get(v, 0) for v in order], dtype=float)
+        step_remat = step_kept.copy()
+        for key, info in graph.graph["tensors"].items() if frees else ():
+            nbytes = costs.tensor_bytes.get(key, 0)
+            if info.producer in pos:
+                step_kept[pos[info.producer]] += nbytes
+                step_remat[pos[info.producer]] += nbytes
+            for v in set(consumers.get(key, ())) & pos.keys():
+                step_remat[pos[v]] += nbytes
+                if key not in costs.saved:
+                    step_kept[pos[v]] += nbytes
 
         # The span tables the searches read, indexed [a, b].
         kept_span = kept_prefix[None, :] - kept_prefix[:, None]
@@ -237,6 +265,16 @@ class MemoryModel:
         self.copied_span = in_
         self.held_kept = kept_span + unsaved_out
         self.held_remat = out
+        # Each segment's forward pass, over what the earlier ones hold: what a
+        # kept segment keeps so far, plus one call's step. Where nothing is
+        # freed, the backward step's workspace of the same call covers it
+        # (the estimator's calibration), with more held around it.
+        fwd = kept_prefix[:-1] + step_kept
+        for a in range(n if frees else 0):
+            np.maximum(self.inner_kept[a, a + 1 :], np.maximum.accumulate(fwd[a:]) - kept_prefix[a],
+                       out=self.inner_kept[a, a + 1 :])
+            np.maximum(self.inner_remat[a, a + 1 :], np.maximum.accumulate(step_remat[a:]),
+                       out=self.inner_remat[a, a + 1 :])
         # The last segment's backward runs right after the forward pass ends.
         np.maximum(self.inner_kept[:, n], self.held_kept[:, n], out=self.inner_kept[:, n])
         np.maximum(self.inner_remat[:, n], self.held_remat[:, n], out=self.inner_remat[:, n])
@@ -384,6 +422,7 @@ class SubSpans:
         self.inner_kept, self.inner_remat = spans.inner_kept[part], spans.inner_remat[part]
         self.held_kept, self.held_remat = spans.held_kept[part], spans.held_remat[part]
         self.cost_span, self.copied_span = spans.cost_span[part], spans.copied_span[part]
+        self.monotone = spans.monotone
 
 
 def recomputed_calls(graph, nodes, prunable):

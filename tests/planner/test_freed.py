@@ -5,6 +5,7 @@ weight gradients between the forward and the backward pass). No Keras."""
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from graphckpt.plan import (
@@ -18,8 +19,10 @@ from graphckpt.plan import (
     smallest_peak,
     topological_order,
 )
+from graphckpt.planner import front
+from graphckpt.planner.memory import NodeCosts
 from tests.planner.graphs import chain
-from tests.test_plan import SHAPES, _random_costs, literal_graph
+from tests.planner.test_front import _brute_force, _graph, _peak, _reference_search
 
 
 def _freeing(costs, nbytes):
@@ -33,12 +36,10 @@ def test_peaks_by_hand():
     Without freeing: the baseline holds its 4 tensors and the output's
     gradient (50); one recomputed segment adds its copied input (60).
     Freeing: the backward pass of call v runs 100 * (v + 1) bytes below
-    the step's start, so each peak is the end of the forward pass: the
-    baseline's 4 tensors (40); one recomputed segment's output (10); a
-    recomputed [n0, n1] and a kept [n2, n3]: n1, n2 and n3 (30), the
-    recomputed segment's backward far below it (10 + 10 + 20 - 200 + 110 =
-    -70: its kept outputs, the gradient of n1 and its copied input, at
-    call 0's backward, 100 below the start)."""
+    the step's start, so each peak is in the forward pass: the baseline's 4
+    tensors at its end (40); one recomputed segment, at each call (its input
+    and output: 20); a recomputed [n0, n1] (20), then a kept [n2, n3] over
+    n1: n1, n2 and n3 (30)."""
     g = chain(4)
     order = topological_order(g)
     plain = graph_costs(g)
@@ -48,32 +49,67 @@ def test_peaks_by_hand():
     assert MemoryModel(g, plain).baseline_peak() == 50
     assert estimated_peak(g, one, plain) == 60
     assert MemoryModel(g, freeing).baseline_peak() == 40
-    assert estimated_peak(g, one, freeing) == 10
+    assert estimated_peak(g, one, freeing) == 20
     peaks = segment_peaks(g, two, freeing)
-    assert [p.peak_bytes for p in peaks] == [-70, 30]
+    assert [p.peak_bytes for p in peaks] == [20, 30]
     assert [p.held_bytes for p in peaks] == [10, 20]
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("seed", [0, 1])
-def test_no_plan_peaks_below_the_end_of_its_forward_pass(shape, seed):
-    """Whatever is freed, every plan's peak is at least what all its
-    segments hold at once when the forward pass ends, and nothing freed
-    leaves every estimate as it was."""
-    g = literal_graph(SHAPES[shape])
-    costs = _random_costs(g, seed)
-    order = topological_order(g)
+def _case(seed):
+    """A random layer-call graph (a chain or a DAG, 10-30 calls; 4-8 every
+    fifth seed), random costs, and random bytes freed per call."""
     rnd = random.Random(seed)
+    n = rnd.randint(4, 8) if seed % 5 == 0 else rnd.randint(10, 30)
+    g, names = _graph(rnd, n, chain=seed % 3 == 0)
+    keys = list(g.graph["tensors"])
+    costs = NodeCosts(
+        tensor_bytes={k: rnd.choice([1, 2, 5, 40, 300]) for k in keys},
+        saved=frozenset(k for k in keys if rnd.random() < 0.7),
+        internal={v: rnd.choice([0, 0, 3, 80]) for v in names},
+        workspace={v: rnd.choice([0, 10, 50]) for v in names},
+        compute={v: float(rnd.choice([1, 2, 3, 50])) for v in names},
+        fixed=rnd.choice([0, 7]),
+        freed={v: rnd.choice([0, 0, 50, 300, 10**4]) for v in names},
+    )
+    return g, costs, rnd
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_plan_peaks_below_the_end_of_its_forward_pass(seed):
+    """Every plan's peak is at least what all its segments hold at once
+    when the forward pass ends; with nothing freed (zeros), every estimate
+    is as without the field."""
+    g, costs, rnd = _case(seed)
+    order = topological_order(g)
     n = len(order)
     for _ in range(10):
         starts = [0] + sorted(rnd.sample(range(1, n), rnd.randint(0, min(3, n - 1))))
-        remat = [rnd.random() < 0.7 for _ in starts]
-        plan = plan_from_boundaries(g, order, starts, remat=remat)
-        for freed in (0, 50, 10**6):
-            c = _freeing(costs, freed)
-            peaks = segment_peaks(g, plan, c)
-            assert estimated_peak(g, plan, c) >= c.fixed + sum(p.held_bytes for p in peaks)
-        assert estimated_peak(g, plan, _freeing(costs, 0)) == estimated_peak(g, plan, costs)
+        plan = plan_from_boundaries(g, order, starts, remat=[rnd.random() < 0.7 for _ in starts])
+        peaks = segment_peaks(g, plan, costs)
+        assert estimated_peak(g, plan, costs) >= costs.fixed + sum(p.held_bytes for p in peaks)
+        zeros = dataclasses.replace(costs, freed=dict.fromkeys(costs.freed, 0))
+        assert estimated_peak(g, plan, zeros) == estimated_peak(g, plan, dataclasses.replace(costs, freed={}))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_budget_search_is_exact_on_freed_memory(seed):
+    """Peaks below the step's start (negative spans) do not break the
+    budget search: the plans of the plain dynamic program, and on small
+    graphs the brute-force least recompute, at caps from the least peak to
+    the baseline."""
+    g, costs, _ = _case(seed)
+    spans = MemoryModel(g, costs)
+    forbidden = np.zeros(spans.n + 1, dtype=np.int64)
+    least = smallest_peak(g, costs, memory=spans) - costs.fixed
+    base = spans.inner_kept[0, spans.n]
+    for cap in sorted({least - 1, least, int((least + base) / 2), base}):
+        got = front.least_recompute(spans, cap, forbidden)
+        assert got == _reference_search(spans, cap, forbidden), (seed, cap)
+        if got is not None:
+            assert _peak(spans, got[1]) <= cap
+        if spans.n <= 8:
+            best = _brute_force(spans, cap, forbidden)
+            assert (got is None) == (best is None) and (got is None or got[0] == pytest.approx(best))
 
 
 def test_freed_gradients_let_one_segment_be_the_least_peak():
