@@ -553,21 +553,3 @@ def test_docs_describe_the_demo_model_they_run():
     assert f"a chain of {len(dense)} Dense layers" in (ROOT / "docs" / "cli.md").read_text()
     assert "64-layer model" not in readme
 
-
-def test_inspect_says_what_a_negative_peak_means(capsys, tmp_path, monkeypatch):
-    """With PyTorch's memory model (here on this backend: the estimate
-    itself is the same Keras code), a weight-heavy chain's later segments
-    recompute on the last step's freed gradients, below the step's start."""
-    from graphckpt import cost_model
-
-    monkeypatch.setattr(cost_model, "FREEING_BACKENDS", (keras.backend.backend(),))
-    path = tmp_path / "heavy.keras"
-    models.chain(depth=8, width=256).save(path)
-    code, out, err = run_main(capsys, "inspect", path, "--segments", 3, "--batch-size", 2, "--format", "json")
-    assert code == 0, err
-    assert min(s["peak_bytes"] for s in json.loads(out)["segments"]) < 0
-    code, out, err = run_main(capsys, "inspect", path, "--segments", 3, "--batch-size", 2)
-    assert "a negative peak is below the memory in use when the step starts" in out
-    monkeypatch.setattr(cost_model, "FREEING_BACKENDS", ())
-    code, out, err = run_main(capsys, "inspect", path, "--segments", 3, "--batch-size", 2)
-    assert "a negative peak" not in out

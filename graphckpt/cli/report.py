@@ -183,11 +183,6 @@ def render_table(info, console):
         row = (seg["first"], seg["last"], calls, boundary)
         table.add_row(index, *row, _bytes(seg["kept_bytes"]), _bytes(seg["peak_bytes"]))
     console.print(table)
-    if any(seg["peak_bytes"] < 0 for seg in info["segments"]):
-        console.print(
-            "a negative peak is below the memory in use when the step starts: on PyTorch the backward "
-            "pass runs on the last step's weight gradients, freed by zero_grad()"
-        )
     totals = info["totals"]
     ratio = f" (x{totals['ratio']:.2f})" if totals["ratio"] is not None else ""
     console.print(

@@ -74,8 +74,7 @@ class SegmentPeak:
             what its calls keep (recomputed, when `remat`), plus the
             gradients of its outputs and the largest backward workspace.
         peak_bytes: `fixed + held_before + recompute_peak`, above the memory
-            in use when the step starts: negative where the backward pass
-            runs on memory freed after the forward pass (`NodeCosts.freed`).
+            in use when the step starts.
         recompute_cost: forward cost recomputed for it (0 when not `remat`;
             calls pruned from its recompute left out).
     """
