@@ -71,13 +71,15 @@ def compare(methods, depth, repeats, out=None):
     return rows
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(methods=lambda depth: METHODS, doc=__doc__):
+    """The command line: `--depth`, `--repeats`, `--out`; `methods(depth)`
+    gives the methods to compare."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--depth", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    compare(METHODS, args.depth, args.repeats, args.out)
+    compare(methods(args.depth), args.depth, args.repeats, args.out)
 
 
 if __name__ == "__main__":

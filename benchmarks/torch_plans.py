@@ -25,7 +25,6 @@ medians of per-round ratios to the Keras baseline:
     PYTHONPATH=. .venv/bin/python benchmarks/torch_plans.py [--depth 32] [--repeats 3] [--out FILE]
 """
 
-import argparse
 import os
 import sys
 
@@ -33,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.getcwd())
 
-from forward_walk import compare  # noqa: E402
+from forward_walk import main  # noqa: E402
 
 PEAK_LINE = {32: 0.40, 64: 0.30}  # issue 14: PyTorch peak ratio at or below
 
@@ -48,14 +47,5 @@ def methods(depth):
     }
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--depth", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    compare(methods(args.depth), args.depth, args.repeats, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    main(methods, __doc__)

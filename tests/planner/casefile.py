@@ -32,6 +32,7 @@ from graphckpt.plan import (
     segment_peaks,
     smallest_peak,
 )
+from tests.planner.graphs import random_costs
 
 CASES_DIR = os.path.join(os.path.dirname(__file__), "cases")
 
@@ -202,14 +203,6 @@ def random_graph(seed, n):
     outputs = [names[-1]] + ([rnd.choice(names[:-1])] if rnd.random() < 0.3 else [])
     g.graph["outputs"] = [(v, 0, 0) for v in outputs]
     g.graph["state_chains"] = []
-    keys = list(g.graph["tensors"])
-    costs = NodeCosts(
-        tensor_bytes={k: rnd.choice([1, 2, 5, 40, 300]) for k in keys},
-        saved=frozenset(k for k in keys if rnd.random() < 0.7),
-        internal={v: rnd.choice([0, 0, 3, 80]) for v in names},
-        workspace={v: rnd.choice([0, 10, 50]) for v in names},
-        compute={v: 1.0 if seed % 2 == 0 else rnd.choice([1.0, 2.5, 1e6, 3.3e9]) for v in names},
-        fixed=rnd.choice([0, 7]),
-    )
+    costs = random_costs(rnd, g, names, lambda: 1.0 if seed % 2 == 0 else rnd.choice([1.0, 2.5, 1e6, 3.3e9]))
     keep = [v for v in names if rnd.random() < 0.15]
     return g, costs, keep

@@ -3,6 +3,7 @@
 import networkx as nx
 
 from graphckpt.graph import TensorInfo
+from graphckpt.planner.costs import NodeCosts
 
 
 def chain(n, nbytes=10):
@@ -17,3 +18,19 @@ def chain(n, nbytes=10):
     g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None,), "float32", nbytes) for v in names}
     g.graph["inputs"], g.graph["outputs"] = [("x", 0, 0)], [(names[-1], 0, 0)]
     return g
+
+
+def random_costs(rnd, graph, names, compute, **fields):
+    """`NodeCosts` drawn from `rnd` for a graph's tensors and its calls
+    `names`: bytes from 1 to 300, 70% of tensors kept for backward, some
+    internal and workspace bytes; `compute()` draws each call's cost."""
+    keys = list(graph.graph["tensors"])
+    return NodeCosts(
+        tensor_bytes={k: rnd.choice([1, 2, 5, 40, 300]) for k in keys},
+        saved=frozenset(k for k in keys if rnd.random() < 0.7),
+        internal={v: rnd.choice([0, 0, 3, 80]) for v in names},
+        workspace={v: rnd.choice([0, 10, 50]) for v in names},
+        compute={v: compute() for v in names},
+        fixed=rnd.choice([0, 7]),
+        **fields,
+    )

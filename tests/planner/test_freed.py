@@ -20,8 +20,7 @@ from graphckpt.plan import (
     topological_order,
 )
 from graphckpt.planner import front
-from graphckpt.planner.memory import NodeCosts
-from tests.planner.graphs import chain
+from tests.planner.graphs import chain, random_costs
 from tests.planner.test_front import _brute_force, _graph, _peak, _reference_search
 
 
@@ -61,16 +60,8 @@ def _case(seed):
     rnd = random.Random(seed)
     n = rnd.randint(4, 8) if seed % 5 == 0 else rnd.randint(10, 30)
     g, names = _graph(rnd, n, chain=seed % 3 == 0)
-    keys = list(g.graph["tensors"])
-    costs = NodeCosts(
-        tensor_bytes={k: rnd.choice([1, 2, 5, 40, 300]) for k in keys},
-        saved=frozenset(k for k in keys if rnd.random() < 0.7),
-        internal={v: rnd.choice([0, 0, 3, 80]) for v in names},
-        workspace={v: rnd.choice([0, 10, 50]) for v in names},
-        compute={v: float(rnd.choice([1, 2, 3, 50])) for v in names},
-        fixed=rnd.choice([0, 7]),
-        freed={v: rnd.choice([0, 0, 50, 300, 10**4]) for v in names},
-    )
+    freed = {v: rnd.choice([0, 0, 50, 300, 10**4]) for v in names}
+    costs = random_costs(rnd, g, names, lambda: float(rnd.choice([1, 2, 3, 50])), freed=freed)
     return g, costs, rnd
 
 
