@@ -13,6 +13,11 @@ fresh process, alternating round by round:
                    PyTorch the estimator then counts the weight gradients
                    freed before the backward pass (`NodeCosts.freed`); on
                    JAX the plans are the same with and without the batch
+    (b') graphckpt budget  PyTorch only: `checkpoint_model(model, budget=L,
+                   batch_size=256)`, L the peak line below (0.40 at depth
+                   32, 0.30 at 64): the plan of least recompute the
+                   estimate fits in the line, for the time lines at the
+                   memory the issue asks for
     (c) native     the same network in plain PyTorch (nn.Sequential,
                    torch.optim.SGD) or plain JAX (one jitted step),
                    benchmarks/native_peers.py
@@ -54,13 +59,20 @@ from native_peers import default_segments, measure_native  # noqa: E402
 from run_all import _load_avg, machine_info  # noqa: E402
 
 FAMILIES_PY = os.path.join(HERE, "families.py")
-METHODS = ("keras", "graphckpt", "native", "native ckpt")
+METHODS = ("keras", "graphckpt", "graphckpt budget", "native", "native ckpt")
+
+
+def methods_for(backend, depth):
+    """The methods run for `backend` at `depth`: the budget plan where the
+    issue has a PyTorch peak line."""
+    return [m for m in METHODS if m != "graphckpt budget" or (backend, depth) in BUDGET_LINES]
 NATIVE_NAME = {"torch": "checkpoint_sequential", "jax": "jax.checkpoint per group"}
 
 # Issue 14's acceptance lines: (backend, depth) -> graphckpt peak ratio target,
 # and whether graphckpt's ratio must be at or below (torch) / strictly below
 # (jax) the native peer's.
 PEAK_TARGETS = {("torch", 32): 0.40, ("jax", 32): 0.45, ("torch", 64): 0.30}
+BUDGET_LINES = {k: v for k, v in PEAK_TARGETS.items() if k[0] == "torch"}
 NATIVE_PEAK_LINE = {("torch", 32): "<=", ("jax", 32): "<"}
 CPU_TARGET = 1.40
 TORCH_NATIVE_TIME = 1.10
@@ -69,13 +81,16 @@ TORCH_NATIVE_TIME = 1.10
 def one_run(method, backend, depth, args):
     """One measurement in a fresh process, as a JSON-friendly dict."""
     t0 = time.time()
-    if method in ("keras", "graphckpt"):
+    if method in ("keras", "graphckpt", "graphckpt budget"):
+        plan_kwargs = {"batch_size": args.batch}
+        if method == "graphckpt budget":
+            plan_kwargs["budget"] = BUDGET_LINES[(backend, depth)]
         m = measure(
             f"{FAMILIES_PY}:dense_chain",
             batch_size=args.batch,
             builder_kwargs=dict(depth=depth, width=args.width, outputs=1),
             method="baseline" if method == "keras" else "graphckpt",
-            checkpoint_kwargs=None if method == "keras" else {"batch_size": args.batch},
+            checkpoint_kwargs=None if method == "keras" else plan_kwargs,
             label=method,
             steps=args.steps,
             warmup=args.warmup,
@@ -137,6 +152,9 @@ def summarize(runs):
             "graphckpt_vs_native_time": _median_ratio(rs, "graphckpt", "native ckpt", "step_time_s"),
             "graphckpt_vs_native_peak": _median_ratio(rs, "graphckpt", "native ckpt", "peak_bytes"),
             "keras_vs_native_cpu": _median_ratio(rs, "keras", "native", "step_cpu_s"),
+            "budget_peak_ratio": _median_ratio(rs, "graphckpt budget", "keras", "peak_bytes"),
+            "budget_cpu_ratio": _median_ratio(rs, "graphckpt budget", "keras", "step_cpu_s"),
+            "budget_vs_native_cpu": _median_ratio(rs, "graphckpt budget", "native ckpt", "step_cpu_s"),
             "segments": {"graphckpt": _median(rs, "graphckpt", "num_segments"), "native": default_segments(depth)},
             "failures": [f"{r['method_label']} r{r['round']}: {r.get('error')}" for r in rs if not r.get("ok")],
         }
@@ -170,6 +188,13 @@ def verdicts(backend, depth, s):
         out.append(
             (f"step CPU time within 10% of {NATIVE_NAME[backend]}", _x(v, 3), v is not None and v <= TORCH_NATIVE_TIME)
         )
+    if s.get("budget_peak_ratio") is not None:
+        line = BUDGET_LINES[(backend, depth)]
+        b, bc, bn = s["budget_peak_ratio"], s["budget_cpu_ratio"], s["budget_vs_native_cpu"]
+        out.append((f"budget={line:.2f} plan: peak ratio <= x{line:.2f}", _x(b, 3), b <= line))
+        out.append((f"budget={line:.2f} plan: CPU-time ratio <= x{CPU_TARGET:.2f}", _x(bc, 3), bc <= CPU_TARGET))
+        out.append((f"budget={line:.2f} plan: step CPU time within 10% of {NATIVE_NAME[backend]}", _x(bn, 3),
+                    bn <= TORCH_NATIVE_TIME))
     return out
 
 
@@ -192,6 +217,24 @@ def table(payloads):
                 f"{_x(s['graphckpt_cpu_ratio'])} | {_x(s['native_cpu_ratio'])} | {_x(s['graphckpt_vs_native_cpu'])} | "
                 f"{_x(s['graphckpt_vs_native_time'])} | {_x(s['keras_vs_native_cpu'])} | "
                 f"{'n/a' if seg['graphckpt'] is None else int(seg['graphckpt'])}, {seg['native']} |"
+            )
+    return "\n".join(lines)
+
+
+def budget_table(payloads):
+    lines = [
+        "| backend | depth | budget | peak MiB | / Keras peak | / Keras CPU time | / native ckpt CPU time | native ckpt / native peak |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in payloads:
+        for depth, s in p["summary"].items():
+            if s.get("budget_peak_ratio") is None:
+                continue
+            mib = s["peak_mib"].get("graphckpt budget")
+            lines.append(
+                f"| {p['backend']} | {depth} | {BUDGET_LINES[(p['backend'], int(depth))]:.2f} | {mib:.1f} | "
+                f"{_x(s['budget_peak_ratio'], 3)} | {_x(s['budget_cpu_ratio'])} | {_x(s['budget_vs_native_cpu'])} | "
+                f"{_x(s['native_peak_ratio'], 3)} |"
             )
     return "\n".join(lines)
 
@@ -231,7 +274,7 @@ def run_backend(backend, args):
     os.makedirs(args.out, exist_ok=True)
     for depth in args.depths:
         for rnd in range(args.repeats):
-            for method in METHODS:
+            for method in methods_for(backend, depth):
                 d = one_run(method, backend, depth, args)
                 d["round"] = rnd
                 payload["runs"].append(d)
@@ -283,6 +326,8 @@ def main(argv=None):
         else:
             payloads.append(run_backend(backend, args))
     print(table(payloads))
+    print()
+    print(budget_table(payloads))
     print()
     print(acceptance_table(payloads))
     return 0
