@@ -72,7 +72,9 @@ class SegmentPeak:
             recomputed; everything its calls keep when not.
         recompute_peak_bytes: the segment's own peak during its backward:
             what its calls keep (recomputed, when `remat`), plus the
-            gradients of its outputs and the largest backward workspace.
+            gradients of its outputs and the largest backward workspace;
+            where memory is freed before the backward pass
+            (`NodeCosts.freed`), its forward pass's when that is more.
         peak_bytes: `fixed + held_before + recompute_peak`, above the memory
             in use when the step starts.
         recompute_cost: forward cost recomputed for it (0 when not `remat`;
@@ -86,7 +88,6 @@ class SegmentPeak:
     recompute_peak_bytes: int
     peak_bytes: int
     recompute_cost: float
-
 
 
 def graph_costs(graph):
