@@ -228,7 +228,7 @@ def _workspace(rule, ins, outs):
 
 
 def _param_bytes(layer):
-    return sum(math.prod(v.shape) * _var_itemsize(v) for v in getattr(layer, "trainable_weights", ()))
+    return sum(_var_bytes(v) for v in getattr(layer, "trainable_weights", ()))
 
 
 def _freed_gradients(graph, order):
@@ -239,16 +239,16 @@ def _freed_gradients(graph, order):
     last = {}
     for key in order:
         for v in getattr(graph.nodes[key]["layer"], "trainable_weights", ()):
-            last[id(v)] = (key, math.prod(v.shape) * _var_itemsize(v))
+            last[id(v)] = (key, _var_bytes(v))
     freed = {}
     for key, nbytes in last.values():
         freed[key] = freed.get(key, 0) + nbytes
     return freed
 
 
-def _var_itemsize(v):
+def _var_bytes(v):
     dtype = keras.backend.standardize_dtype(v.dtype)
-    return max(int("".join(c for c in dtype if c.isdigit()) or 32) // 8, 1)
+    return math.prod(v.shape) * max(int("".join(c for c in dtype if c.isdigit()) or 32) // 8, 1)
 
 
 def _costs(graph, batch_size):
