@@ -91,11 +91,22 @@ class MemoryModel:
         unsaved = np.zeros((n + 1, n + 2))
         in_diff = np.zeros((n + 2, n + 2))  # 2-D difference array of in(a, b)
         produced = {}
+        # A call's forward step: its outputs and internal buffers, and its
+        # inputs where nothing counts them yet: in a recomputed segment, any
+        # (one made before the segment is counted twice); in a kept one, an
+        # input not kept for backward. Read only where something is freed.
+        step_kept = np.array([costs.internal.get(v, 0) for v in order], dtype=float)
+        step_remat = step_kept.copy()
         for key, info in graph.graph["tensors"].items():
             uses = sorted({pos[c] for c in consumers.get(key, ()) if c in pos})
             nbytes = costs.tensor_bytes.get(key, 0)
             p = pos.get(info.producer, -1)  # -1: a model input
+            step_remat[uses] += nbytes
+            if key not in costs.saved:
+                step_kept[uses] += nbytes
             if p >= 0:
+                step_kept[p] += nbytes
+                step_remat[p] += nbytes
                 produced.setdefault(info.producer, []).append(key)
                 last = n if key in model_outputs else (uses[-1] if uses else p)
                 if last > p:
@@ -143,21 +154,6 @@ class MemoryModel:
         # span's below: not when something is freed, where a kept span holds
         # its forward pass and a longer recomputed one does not.
         self.monotone = not frees
-        # A call's forward step: its outputs and internal buffers, and its
-        # inputs where nothing counts them yet: in a recomputed segment, any
-        # (one made before the segment is counted twice); in a kept one, an
-        # input not kept for backward.
-        step_kept = np.array([costs.internal.get(v, 0) for v in order], dtype=float)
-        step_remat = step_kept.copy()
-        for key, info in graph.graph["tensors"].items() if frees else ():
-            nbytes = costs.tensor_bytes.get(key, 0)
-            if info.producer in pos:
-                step_kept[pos[info.producer]] += nbytes
-                step_remat[pos[info.producer]] += nbytes
-            for v in set(consumers.get(key, ())) & pos.keys():
-                step_remat[pos[v]] += nbytes
-                if key not in costs.saved:
-                    step_kept[pos[v]] += nbytes
 
         # The span tables the searches read, indexed [a, b].
         kept_span = kept_prefix[None, :] - kept_prefix[:, None]
