@@ -32,6 +32,13 @@ def big_outputs(depth=16, width=1024, repeat=8):
     return keras.Model(inp, layers.Flatten()(x), name="big_outputs")
 
 
+def wide_input(width=65536):
+    """A batch far larger than anything its step allocates: one Dense(1)
+    on `width` features (64 MiB of inputs at batch 256, a 256 KiB weight)."""
+    inp = keras.Input((width,))
+    return keras.Model(inp, layers.Dense(1)(inp), name="wide_input")
+
+
 def broken(message="boom"):
     raise ValueError(message)
 

@@ -53,6 +53,17 @@ def test_each_measurement_runs_in_a_fresh_process(pair):
         assert m.info["tensorflow"] and m.info["keras"]
 
 
+def test_the_source_fingerprint_covers_subpackages(tmp_path):
+    from graphckpt.measure.child import _source_fingerprint
+
+    (tmp_path / "planner").mkdir()
+    (tmp_path / "top.py").write_text("A = 1\n")
+    (tmp_path / "planner" / "search.py").write_text("B = 1\n")
+    before = _source_fingerprint(str(tmp_path))["sha256"]
+    (tmp_path / "planner" / "search.py").write_text("B = 2\n")
+    assert _source_fingerprint(str(tmp_path))["sha256"] != before
+
+
 def test_builder_failure_is_reported():
     with pytest.raises(MeasurementError, match=r"phase 'build'.*ValueError: kaput") as e:
         measure(mb.broken, batch_size=2, builder_kwargs={"message": "kaput"}, **FAST)

@@ -27,6 +27,16 @@ def test_cpu_run_reports_time_and_rss_memory(backend):
     assert base.peak_bytes >= 0.9 * CHAIN["depth"] * 256 * CHAIN["width"] * 4
 
 
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_the_batch_is_converted_before_the_measured_steps(backend):
+    # As fit's data pipelines do: a step handed NumPy arrays would convert
+    # them inside the measured step, and count the 64 MiB batch in its peak.
+    m = measure(mb.wide_input, method="baseline", backend=backend, batch_size=256, device="cpu", **FAST)
+    assert m.ok, m.error
+    assert m.resident_bytes > 256 * 65536 * 4
+    assert m.peak_bytes < 0.25 * 256 * 65536 * 4
+
+
 def test_rss_on_a_gpu_is_refused():
     with pytest.raises(ValueError, match="counter='rss' counts host memory"):
         measure(mb.chain, backend="torch", batch_size=2, device="gpu", counter="rss")

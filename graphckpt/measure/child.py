@@ -20,16 +20,19 @@ from graphckpt.measure.records import failed, from_spec
 
 
 def _source_fingerprint(package_dir):
-    """Which graphckpt code ran: a hash of its .py files and, in a git
-    checkout, the commit and whether the package had uncommitted changes
-    (an editable install picks up whatever the tree holds right now)."""
+    """Which graphckpt code ran: a hash of its .py files, subpackages
+    included, and, in a git checkout, the commit and whether the package
+    had uncommitted changes (an editable install picks up whatever the tree
+    holds right now)."""
     import hashlib
 
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(package_dir)):
-        if name.endswith(".py"):
-            with open(os.path.join(package_dir, name), "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
+    for folder, dirs, files in os.walk(package_dir):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")  # a fixed order
+        for name in sorted(n for n in files if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                digest.update(os.path.relpath(path, package_dir).encode() + b"\0" + f.read())
     out = {"sha256": digest.hexdigest()[:12]}
     try:
         git = ["git", "-C", package_dir]
@@ -190,14 +193,22 @@ def _batch(spec, model, backend, device):
         x, y = load(spec["data"])(model, spec["batch_size"])
     else:
         x, y = _random_batch(model, spec["batch_size"], spec["seed"], spec.get("input_shape"))
+    return _on_device(backend, device, x), _on_device(backend, device, y)
+
+
+def _on_device(backend, device, data):
+    """`data` as the backend's tensors on `device`, converted before any
+    measured step, as `fit`'s data pipelines hand them to the train step on
+    every backend: a step handed NumPy arrays would convert them inside the
+    measured step (on PyTorch and JAX, one more batch in its peak)."""
+    import keras
+
     if backend == "tensorflow":
-        import keras
         import tensorflow as tf
 
         with tf.device(_device_name(backend, device)):
-            x = keras.tree.map_structure(tf.convert_to_tensor, x)
-            y = keras.tree.map_structure(tf.convert_to_tensor, y)
-    return x, y
+            return keras.tree.map_structure(tf.convert_to_tensor, data)
+    return keras.tree.map_structure(keras.ops.convert_to_tensor, data)  # on the backend's default device
 
 
 def _finish(backend, model):
