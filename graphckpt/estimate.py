@@ -257,7 +257,7 @@ def _costs(graph, batch_size):
     tensors = graph.graph["tensors"]
     scale = batch_size or 1
     tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
-    saved, internal, workspace, compute, by_call = set(), {}, {}, {}, {}
+    saved, internal, workspace, compute, by_call, forward_temp = set(), {}, {}, {}, {}, {}
     prunable, prunes = set(), cost_model.backend_prunes()
     frees = batch_size is not None and cost_model.backend_frees_gradients()
     params_factor = _WORKSPACE_PARAMS_FREED if frees else _WORKSPACE_PARAMS
@@ -275,6 +275,8 @@ def _costs(graph, batch_size):
         if batch_size is not None:
             params = _param_bytes(data["layer"]) if rule.param_bytes is None else rule.param_bytes
             workspace[key] += int(params_factor * params)
+        if frees:
+            forward_temp[key] = int(keras_rules.forward_temporaries(data["layer"], outs) * scale)
         compute[key] = cost_model.nanoseconds(cost_model.call_seconds(data["class_name"], rule, ins, outs, batch_size))
         if prunes and rule.is_prunable:
             prunable.add(key)
@@ -290,6 +292,7 @@ def _costs(graph, batch_size):
         prunable=frozenset(prunable),
         segment_cost=cost_model.nanoseconds(cost_model.segment_seconds()),
         freed=_freed_gradients(graph, order) if frees else {},
+        forward_temp=forward_temp,
     )
     calls = []
     for key, rule in by_call.items():

@@ -366,6 +366,20 @@ def rule_of_op(op, ins, outs):
     return unknown_rule(op, ins, outs)
 
 
+def forward_temporaries(layer, outs):
+    """Transient bytes of `layer`'s forward step besides its outputs and
+    kept buffers, on a backend that runs each op eagerly (PyTorch): a
+    kernel layer (Dense, EinsumDense, convolutions) adds its bias and
+    applies its activation as ops of their own, so one more output-sized
+    tensor lives beside the one being made. Measured on PyTorch
+    (32 x Dense(1024), batch 256): 33.0 MiB with a bias or an activation,
+    32.0 MiB with neither."""
+    if getattr(layer, "kernel", None) is None:
+        return 0.0
+    separate = getattr(layer, "use_bias", False) or activation_name(layer) not in (None, "linear")
+    return float(sum(o.nbytes for o in outs)) if separate else 0.0
+
+
 def op_is_expensive(op):
     return type(op).__module__.startswith("keras.") and type(op).__name__ in _OP_MATMUL
 

@@ -48,7 +48,27 @@ def test_each_trainable_weight_is_freed_once_at_its_last_call():
 
 
 def test_per_example_costs_free_nothing():
-    assert node_costs(build_graph(models.chain()), batch_size=None).freed == {}
+    costs = node_costs(build_graph(models.chain()), batch_size=None)
+    assert costs.freed == {} and costs.forward_temp == {}
+
+
+def test_a_kernel_layers_bias_or_activation_is_a_forward_temporary_on_torch():
+    """On PyTorch a Dense adds its bias and applies its activation as ops of
+    their own: one more output-sized tensor in its forward step (measured:
+    benchmarks/notes_end.md, "PyTorch's memory model"). Read only where
+    gradients are freed, so made only there."""
+    inp = keras.Input((8,))
+    x = layers.Dense(6, activation="tanh", name="both")(inp)
+    x = layers.Dense(6, use_bias=False, name="neither")(x)
+    x = layers.Dense(6, use_bias=False, activation="relu", name="activation")(x)
+    x = layers.Activation("tanh", name="no_kernel")(x)
+    model = keras.Model(inp, layers.Dense(5, name="bias")(x))
+    graph = build_graph(model)
+    temp = {graph.nodes[k]["layer"].name: b for k, b in node_costs(graph, batch_size=4).forward_temp.items() if b}
+    if BACKEND != "torch":
+        assert temp == {}
+        return
+    assert temp == {"both": 4 * 6 * 4, "activation": 4 * 6 * 4, "bias": 4 * 5 * 4}
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="gradients are freed before the backward pass on PyTorch only")

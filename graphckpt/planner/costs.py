@@ -43,6 +43,12 @@ class NodeCosts:
             then `zero_grad()`, then the backward pass. Empty where
             gradients do not outlive a step (TensorFlow, JAX). Give a
             weight shared by several calls to the call latest in the order.
+        forward_temp: layer call -> transient bytes of its forward step
+            besides its outputs and `internal`, read only where something
+            is `freed` (the forward pass is modelled there alone): on
+            PyTorch, a kernel layer's bias add and activation run as ops of
+            their own, each making a new tensor, so the matmul's or the bias
+            add's result lives beside the next one.
     """
 
     tensor_bytes: dict
@@ -55,6 +61,7 @@ class NodeCosts:
     prunable: frozenset = frozenset()
     segment_cost: float = 0.0
     freed: dict = dataclasses.field(default_factory=dict)
+    forward_temp: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

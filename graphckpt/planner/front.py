@@ -66,7 +66,8 @@ def _exact_sums(spans):
     costs = getattr(spans, "costs", None)
     if costs is None:
         return False
-    byte_counts = [*costs.tensor_bytes.values(), *costs.internal.values(), *costs.workspace.values(), *costs.freed.values()]
+    byte_counts = [*costs.tensor_bytes.values(), *costs.internal.values(), *costs.workspace.values(), *costs.freed.values(),
+                   *costs.forward_temp.values()]
     for values in (byte_counts, list(costs.compute.values())):
         v = np.abs(np.asarray(values, dtype=float))
         if v.size and not (np.all(np.mod(v, 1.0) == 0) and v.sum() < 2.0**50):

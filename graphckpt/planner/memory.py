@@ -54,8 +54,9 @@ class MemoryModel:
     peak also covers the end of the forward pass, when every segment holds
     what it keeps for the backward pass at once (`sum_i held_i`), and where
     something is freed each segment's peak covers its forward pass too
-    (`step(v)`: a call's outputs, internal buffers and the inputs nothing
-    else counts): on freed memory the backward pass may peak below both.
+    (`step(v)`: a call's outputs, internal buffers, forward temporaries
+    and the inputs nothing else counts): on freed memory the backward pass
+    may peak below both.
     Where nothing is freed, `inner_last >= held_last` already, and a call's
     backward workspace (the estimator's calibration) covers its forward.
 
@@ -91,11 +92,12 @@ class MemoryModel:
         unsaved = np.zeros((n + 1, n + 2))
         in_diff = np.zeros((n + 2, n + 2))  # 2-D difference array of in(a, b)
         produced = {}
-        # A call's forward step: its outputs and internal buffers, and its
-        # inputs where nothing counts them yet: in a recomputed segment, any
-        # (one made before the segment is counted twice); in a kept one, an
-        # input not kept for backward. Read only where something is freed.
-        step_kept = np.array([costs.internal.get(v, 0) for v in order], dtype=float)
+        # A call's forward step: its outputs, internal buffers and forward
+        # temporaries, and its inputs where nothing counts them yet: in a
+        # recomputed segment, any (one made before the segment is counted
+        # twice); in a kept one, an input not kept for backward. Read only
+        # where something is freed.
+        step_kept = np.array([costs.internal.get(v, 0) + costs.forward_temp.get(v, 0) for v in order], dtype=float)
         step_remat = step_kept.copy()
         for key, info in graph.graph["tensors"].items():
             uses = sorted({pos[c] for c in consumers.get(key, ()) if c in pos})

@@ -54,6 +54,27 @@ def test_peaks_by_hand():
     assert [p.held_bytes for p in peaks] == [10, 20]
 
 
+def test_forward_temporaries_count_where_memory_is_freed():
+    """The chain of `test_peaks_by_hand` with 5 bytes of forward
+    temporaries per call (PyTorch's unfused bias add): each forward step
+    holds them beside its output, so every peak in a forward pass rises by
+    5 (the baseline's at n3's step: 30 kept + 10 + 5); without freeing the
+    backward workspace already covers the forward pass, and nothing
+    changes."""
+    g = chain(4)
+    order = topological_order(g)
+    plain = graph_costs(g)
+    temp = dict.fromkeys(plain.compute, 5)
+    freeing = dataclasses.replace(_freeing(plain, 100), forward_temp=temp)
+    one = plan_from_boundaries(g, order, [0])
+    two = plan_from_boundaries(g, order, [0, 2], remat=[True, False])
+    assert MemoryModel(g, freeing).baseline_peak() == 45
+    assert estimated_peak(g, one, freeing) == 25
+    assert [p.peak_bytes for p in segment_peaks(g, two, freeing)] == [25, 35]
+    with_temp = dataclasses.replace(plain, forward_temp=temp)
+    assert MemoryModel(g, with_temp).baseline_peak() == 50 and estimated_peak(g, one, with_temp) == 60
+
+
 def _case(seed):
     """A random layer-call graph (a chain or a DAG, 10-30 calls; 4-8 every
     fifth seed), random costs, and random bytes freed per call."""
