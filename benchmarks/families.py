@@ -10,13 +10,14 @@ import keras
 from keras import layers
 
 
-def dense_chain(depth=64, width=1024, dropout_every=0, rate=0.1, activation="tanh", outputs=10):
+def dense_chain(depth=64, width=1024, dropout_every=0, rate=0.1, activation="tanh", outputs=10, use_bias=True,
+                kernel_initializer="glorot_uniform"):
     """`depth` x Dense(width, tanh), with a Dropout after every
     `dropout_every`-th Dense (none when 0), then Dense(outputs)."""
     inp = keras.Input((width,), name="x")
     x = inp
     for i in range(depth):
-        x = layers.Dense(width, activation=activation)(x)
+        x = layers.Dense(width, activation=activation, use_bias=use_bias, kernel_initializer=kernel_initializer)(x)
         if dropout_every and (i + 1) % dropout_every == 0:
             x = layers.Dropout(rate)(x)
     return keras.Model(inp, layers.Dense(outputs)(x), name=f"dense_chain_{depth}")
