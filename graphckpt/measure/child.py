@@ -197,10 +197,12 @@ def _batch(spec, model, backend, device):
 
 
 def _on_device(backend, device, data):
-    """`data` as the backend's tensors on `device`, converted before any
-    measured step, as `fit`'s data pipelines hand them to the train step on
-    every backend: a step handed NumPy arrays would convert them inside the
-    measured step (on PyTorch and JAX, one more batch in its peak)."""
+    """`data` as the backend's tensors, converted before any measured step,
+    as `fit`'s data pipelines hand them to the train step on every backend:
+    a step handed NumPy arrays would convert them inside the measured step
+    (on PyTorch and JAX, one more batch in its peak). On TensorFlow on
+    `device`; on PyTorch and JAX on the backend's default device, where
+    the model runs too."""
     import keras
 
     if backend == "tensorflow":
@@ -208,7 +210,7 @@ def _on_device(backend, device, data):
 
         with tf.device(_device_name(backend, device)):
             return keras.tree.map_structure(tf.convert_to_tensor, data)
-    return keras.tree.map_structure(keras.ops.convert_to_tensor, data)  # on the backend's default device
+    return keras.tree.map_structure(keras.ops.convert_to_tensor, data)
 
 
 def _finish(backend, model):
