@@ -376,7 +376,7 @@ def forward_temporaries(layer, outs):
     MiB with a bias or an activation, 31.9 MiB with neither."""
     if getattr(layer, "kernel", None) is None:
         return 0.0
-    separate = getattr(layer, "use_bias", False) or activation_name(layer) not in (None, "linear")
+    separate = getattr(layer, "bias", None) is not None or activation_name(layer) not in (None, "linear")
     return float(sum(o.nbytes for o in outs)) if separate else 0.0
 
 

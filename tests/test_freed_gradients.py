@@ -62,13 +62,15 @@ def test_a_kernel_layers_bias_or_activation_is_a_forward_temporary_on_torch():
     x = layers.Dense(6, use_bias=False, name="neither")(x)
     x = layers.Dense(6, use_bias=False, activation="relu", name="activation")(x)
     x = layers.Activation("tanh", name="no_kernel")(x)
+    x = layers.EinsumDense("ab,bc->ac", output_shape=7, name="einsum")(x)
+    x = layers.EinsumDense("ab,bc->ac", output_shape=7, bias_axes="c", name="einsum_bias")(x)
     model = keras.Model(inp, layers.Dense(5, name="bias")(x))
     graph = build_graph(model)
     temp = {graph.nodes[k]["layer"].name: b for k, b in node_costs(graph, batch_size=4).forward_temp.items() if b}
     if BACKEND != "torch":
         assert temp == {}
         return
-    assert temp == {"both": 4 * 6 * 4, "activation": 4 * 6 * 4, "bias": 4 * 5 * 4}
+    assert temp == {"both": 4 * 6 * 4, "activation": 4 * 6 * 4, "einsum_bias": 4 * 7 * 4, "bias": 4 * 5 * 4}
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="gradients are freed before the backward pass on PyTorch only")
