@@ -9,6 +9,7 @@ import pytest
 from keras import layers
 
 import graphckpt
+from graphckpt import cost_model
 from graphckpt.estimate import (
     call_estimates,
     estimate,
@@ -176,7 +177,8 @@ def test_batch_size_scaling_and_resolution():
     # activation terms scale with the batch; parameter gradients do not
     e1, e32 = estimate(model), estimate(model, batch_size=32)
     assert e1.batch_size is None and e32.batch_size == 32
-    assert 32 * e1.baseline_peak_bytes < e32.baseline_peak_bytes
+    if not cost_model.backend_frees_gradients():  # on PyTorch they are freed first: tests/test_freed_gradients.py
+        assert 32 * e1.baseline_peak_bytes < e32.baseline_peak_bytes
     fixed = keras.Model(*_fixed_batch())
     assert resolve_batch_size(fixed) == 5 and estimate(fixed).batch_size == 5
     assert resolve_batch_size(fixed, 7) == 7
