@@ -20,7 +20,7 @@ again does not pay for copying its inputs. With one and two levels the
 planner's least estimates are printed beside it, so the relaxation's gap
 can be read there. No process is measured; this is the model's arithmetic.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/recursion_bound.py [--families cnn,dense] [--levels 5]
+    PYTHONPATH=. .venv/bin/python benchmarks/recursion_bound.py [--families cnn,dense] [--levels 12]
 """
 
 import argparse
@@ -38,10 +38,12 @@ from two_level import FAMILIES  # noqa: E402
 
 
 def bounds(memory, levels):
-    """`{k: L_{k+1}[0, n]}` for k = 1 .. levels (bytes, `fixed` left out)."""
+    """`{k: L_{k+1}[0, n]}` for k = 1 .. levels (bytes, `fixed` left out),
+    and the first k whose table equals the one before (a fixed point: the
+    bound then holds for any number of levels), or None."""
     n = memory.n
     prev = np.minimum(memory.inner_kept, memory.inner_remat)
-    out = {}
+    out, fixed_from = {}, None
     for k in range(1, levels + 1):
         cur = prev.copy()
         for length in range(2, n + 1):
@@ -51,14 +53,17 @@ def bounds(memory, levels):
                 split = np.maximum(prev[a, cs], memory.held_remat[a, cs] + cur[cs, b]).min()
                 cur[a, b] = min(prev[a, b], split)
         out[k] = float(cur[0, n])
+        if np.array_equal(cur, prev):
+            fixed_from = k
+            break
         prev = cur
-    return out
+    return out, fixed_from
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", default="cnn,dense")
-    p.add_argument("--levels", type=int, default=5)
+    p.add_argument("--levels", type=int, default=12, help="at most this many (it stops at a fixed point)")
     args = p.parse_args()
 
     import families
@@ -82,10 +87,13 @@ def main():
             two = e.smallest_bytes
         print(f"{name}: {memory.n} layer calls, batch {fam['batch']}, estimated baseline {base / 2**20:.1f} MiB")
         print("| levels | lower bound, any plan | the planner's least estimate |\n|---:|---:|---:|")
-        for k, value in bounds(memory, args.levels).items():
+        values, fixed_from = bounds(memory, args.levels)
+        for k, value in values.items():
             found = {1: one, 2: two}.get(k)
             shown = f"x{found / base:.3f}" if found is not None else "(not planned)"
             print(f"| {k} | x{(value + costs.fixed) / base:.3f} | {shown} |")
+        if fixed_from:
+            print(f"a fixed point at {fixed_from} levels: the last bound holds for any number of levels")
         print(f"one call's backward alone (`nested._one_call_floor`): x{(nested._one_call_floor(memory) + costs.fixed) / base:.3f}")
         print(f"(graphckpt {graphckpt.__version__}; plans cut one topological order)\n", flush=True)
 
