@@ -125,6 +125,25 @@ def freezable_chain():
     return keras.Model(inp, layers.Dense(1)(x), name="freezable_chain")
 
 
+def residual_cnn():
+    """Two residual blocks of Conv-BN-ReLU-Conv-BN + Add, ReLU, at 8 x 8 x 8:
+    each segment's weight gradients are smaller than its input gradients,
+    so on JAX the input gradients are tied to them
+    (`graphckpt.remat._inputs_after_weights`)."""
+    inp = keras.Input((8, 8, 8))
+    x = inp
+    for _ in range(2):
+        y = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", use_bias=False)(x)))
+        y = layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", use_bias=False)(y))
+        x = layers.ReLU()(layers.Add()([x, y]))
+    return keras.Model(inp, layers.Dense(1)(layers.GlobalAveragePooling2D()(x)), name="residual_cnn")
+
+
+def _images():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 8, 8, 8)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
+
+
 def _regression(n_in):
     rng = np.random.default_rng(0)
     return rng.normal(size=(64, n_in)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
@@ -192,6 +211,7 @@ CASES = {
     "mixed_bfloat16": Case(mixed_chain, lambda: _regression(8), "mse", 3, policy="mixed_bfloat16"),
     "mixed_float16": Case(mixed_chain, lambda: _regression(8), "mse", 3, policy="mixed_float16"),
     "freeze_unfreeze": Case(freezable_chain, lambda: _regression(8), "mse", 3, schedule=freeze_train_unfreeze),
+    "residual_cnn": Case(residual_cnn, _images, "mse", 3),
 }
 
 # mixed_float16 runs on TensorFlow and PyTorch, as issue 13 asks; mixed_bfloat16
