@@ -60,12 +60,6 @@ from run_all import _load_avg, machine_info  # noqa: E402
 
 FAMILIES_PY = os.path.join(HERE, "families.py")
 METHODS = ("keras", "graphckpt", "graphckpt budget", "native", "native ckpt")
-
-
-def methods_for(backend, depth):
-    """The methods run for `backend` at `depth`: the budget plan where the
-    issue has a PyTorch peak line."""
-    return [m for m in METHODS if m != "graphckpt budget" or (backend, depth) in BUDGET_LINES]
 NATIVE_NAME = {"torch": "checkpoint_sequential", "jax": "jax.checkpoint per group"}
 
 # Issue 14's acceptance lines: (backend, depth) -> graphckpt peak ratio target,
@@ -76,6 +70,12 @@ BUDGET_LINES = {k: v for k, v in PEAK_TARGETS.items() if k[0] == "torch"}
 NATIVE_PEAK_LINE = {("torch", 32): "<=", ("jax", 32): "<"}
 CPU_TARGET = 1.40
 TORCH_NATIVE_TIME = 1.10
+
+
+def methods_for(backend, depth):
+    """The methods run for `backend` at `depth`: the budget plan where the
+    issue has a PyTorch peak line."""
+    return [m for m in METHODS if m != "graphckpt budget" or (backend, depth) in BUDGET_LINES]
 
 
 def one_run(method, backend, depth, args):

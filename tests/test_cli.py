@@ -552,4 +552,3 @@ def test_docs_describe_the_demo_model_they_run():
     assert int(depth) == len(dense) == cli.DEMO["depth"]
     assert f"a chain of {len(dense)} Dense layers" in (ROOT / "docs" / "cli.md").read_text()
     assert "64-layer model" not in readme
-

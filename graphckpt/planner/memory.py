@@ -169,12 +169,13 @@ class MemoryModel:
         # kept segment keeps so far, plus one call's step. Where nothing is
         # freed, the backward step's workspace of the same call covers it
         # (the estimator's calibration), with more held around it.
-        fwd = kept_prefix[:-1] + step_kept
-        for a in range(n if frees else 0):
-            np.maximum(self.inner_kept[a, a + 1 :], np.maximum.accumulate(fwd[a:]) - kept_prefix[a],
-                       out=self.inner_kept[a, a + 1 :])
-            np.maximum(self.inner_remat[a, a + 1 :], np.maximum.accumulate(step_remat[a:]),
-                       out=self.inner_remat[a, a + 1 :])
+        if frees:
+            fwd = kept_prefix[:-1] + step_kept
+            for a in range(n):
+                np.maximum(self.inner_kept[a, a + 1 :], np.maximum.accumulate(fwd[a:]) - kept_prefix[a],
+                           out=self.inner_kept[a, a + 1 :])
+                np.maximum(self.inner_remat[a, a + 1 :], np.maximum.accumulate(step_remat[a:]),
+                           out=self.inner_remat[a, a + 1 :])
         # The last segment's backward runs right after the forward pass ends.
         np.maximum(self.inner_kept[:, n], self.held_kept[:, n], out=self.inner_kept[:, n])
         np.maximum(self.inner_remat[:, n], self.held_remat[:, n], out=self.inner_remat[:, n])

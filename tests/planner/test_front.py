@@ -26,9 +26,10 @@ def _reference_search(spans, cap, forbidden):
     n = spans.n
     forbidden = np.asarray(forbidden)
     a_min = np.zeros(n + 1, dtype=np.int64)
-    for b in range(1, n + 1) if getattr(spans, "monotone", True) else ():
-        over = np.flatnonzero(spans.inner_kept[:b, b] > cap)
-        a_min[b] = over[-1] + 1 if over.size else 0
+    if getattr(spans, "monotone", True):  # else no start can be pruned by a kept span's peak
+        for b in range(1, n + 1):
+            over = np.flatnonzero(spans.inner_kept[:b, b] > cap)
+            a_min[b] = over[-1] + 1 if over.size else 0
     G = np.full((n + 1, 2), np.inf)
     G[n, :] = -np.inf
     for b in range(n - 1, -1, -1):
