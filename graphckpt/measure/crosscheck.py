@@ -1,4 +1,5 @@
-"""Independent peak counters, to cross-check the RSS counter (tests only).
+"""Independent peak counters, to cross-check the RSS counter (tests, and
+benchmarks/jax_estimate.py for XLA's figure).
 
 - PyTorch: `torch.profiler` with `profile_memory=True` over two training
   steps; the peak of the second, from its allocation and free events (the
