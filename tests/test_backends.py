@@ -340,8 +340,10 @@ def test_jax_recompute_draws_its_random_numbers_after_the_cotangent():
     it ties the inputs: a random draw computed from the seed alone was
     merged by XLA with the forward pass's draw, and its mask kept from the
     forward pass to the backward pass (GPT-2 with dropout 0.1 at sequence
-    256: 340 -> 268 MiB at 8 blocks). In the gradient's jaxpr the forward
-    draw is untied and the recompute's depends on the tie's bitcast."""
+    256: 340 -> 268 MiB at 8 blocks). In the forward pass the seed state is
+    tied to the segment's input (`remat._states_after_inputs`). In the
+    gradient's jaxpr the forward draw depends on the input and not on the
+    cotangent; the recompute's depends on the cotangent."""
     import jax
     import jax.numpy as jnp
     from jax._src import core
@@ -355,17 +357,17 @@ def test_jax_recompute_draws_its_random_numbers_after_the_cotangent():
         return jax.vjp(jax_remat(f, 1), x, seed)[1](ct)
 
     jaxpr = jax.make_jaxpr(gradient)(jnp.ones((4,)), jnp.array([0, 7], jnp.uint32), (jnp.ones((4,)),)).jaxpr
-    tied, draws = set(), []
+    x, _, ct = jaxpr.invars
+    reached = {x: {"x"}, ct: {"ct"}}  # which of the two each value is computed from
+    draws = []
     for eqn in jaxpr.eqns:
-        is_tied = eqn.primitive.name == "bitcast_convert_type" or any(
-            not isinstance(v, core.Literal) and v in tied for v in eqn.invars
-        )
-        if is_tied:
-            tied.update(eqn.outvars)
+        sources = set().union(*[reached.get(v, set()) for v in eqn.invars if not isinstance(v, core.Literal)])
+        for v in eqn.outvars:
+            reached[v] = sources
         inside = [eqn] + [e for sub in core.jaxprs_in_params(eqn.params) for e in _jax_primitives(sub)]
         if any(e.primitive.name in ("random_bits", "threefry2x32") for e in inside):
-            draws.append(is_tied)
-    assert draws == [False, True]  # the forward's draw, then the recompute's, tied
+            draws.append(sources)
+    assert draws == [{"x"}, {"ct"}]  # the forward's draw waits for the input, the recompute's for the cotangent
 
 
 def test_inference_takes_no_remat_path():

@@ -127,9 +127,9 @@ def freezable_chain():
 
 def residual_cnn():
     """Two residual blocks of Conv-BN-ReLU-Conv-BN + Add, ReLU, at 8 x 8 x 8:
-    each segment's weight gradients are smaller than its input gradients,
-    so on JAX the input gradients are tied to them
-    (`graphckpt.remat._inputs_after_weights`)."""
+    the residual stream's gradient, which XLA recomputed inside the fusions
+    of the segments before until `graphckpt.remat.jax_materialize` made it
+    a buffer of its own."""
     inp = keras.Input((8, 8, 8))
     x = inp
     for _ in range(2):
