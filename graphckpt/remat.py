@@ -298,12 +298,18 @@ def jax_materialize(arrays):
     (`(u | 1) != 0`, as in `jax_tie`) and whose taken branch returns them
     unchanged. `lax.optimization_barrier` does not do this: XLA's CPU
     pipeline removes barriers before it fuses.
+
+    On the CPU only, where it was measured. On a GPU the host reads a
+    conditional's predicate, a synchronization per segment and step, and
+    whether XLA's GPU fusion recomputes cotangents the same way is not
+    known (no GPU to measure on): there the arrays are returned as they are.
     """
+    import jax
     import jax.numpy as jnp
     from jax import lax
 
     index = [i for i, x in enumerate(arrays) if _jax_floating(x) and x.size]
-    if not index:
+    if not index or jax.default_backend() != "cpu":
         return tuple(arrays)
     first = arrays[index[0]]
     keep = (lax.bitcast_convert_type(jnp.reshape(first, (-1,))[0].astype("float32"), jnp.uint32) | 1) != 0
