@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from graphckpt.plan import BudgetInfeasible, MemoryModel, plan_for_budget, smallest_peak
-from tests.planner.graphs import random_costs
-from tests.planner.test_front import _graph
+from tests.planner.graphs import random_costs, random_dag
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from recursion_bound import bounds  # noqa: E402
@@ -19,7 +18,7 @@ from recursion_bound import bounds  # noqa: E402
 @pytest.mark.parametrize("seed", range(16))
 def test_the_bound_is_below_every_plan(seed):
     rnd = random.Random(seed)
-    g, names = _graph(rnd, rnd.randint(6, 24), chain=seed % 3 == 0)
+    g, names = random_dag(rnd, rnd.randint(6, 24), chain=seed % 3 == 0)
     costs = random_costs(rnd, g, names, lambda: float(rnd.choice([1, 2, 3, 50])))
     memory = MemoryModel(g, costs)
     bound, _ = bounds(memory, 2)

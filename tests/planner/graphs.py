@@ -1,4 +1,4 @@
-"""Small hand-made layer-call graphs for the planner tests. No Keras."""
+"""Layer-call graphs for the planner tests, hand-made and random. No Keras."""
 
 import networkx as nx
 
@@ -34,3 +34,23 @@ def random_costs(rnd, graph, names, compute, **fields):
         fixed=rnd.choice([0, 7]),
         **fields,
     )
+
+
+def random_dag(rnd, n, chain):
+    """A layer-call graph in graph.py's schema: a chain, or a random DAG
+    (calls reading 1-3 earlier tensors, a side output sometimes)."""
+    g = nx.DiGraph()
+    g.add_node("x", kind="input", position=0)
+    names = [f"n{i}" for i in range(n)]
+    for i, v in enumerate(names):
+        g.add_node(v, kind="layer", position=i + 1)
+        earlier = ["x"] + names[:i]
+        extra = set() if chain else {rnd.choice(earlier) for _ in range(rnd.choice([0, 0, 1, 2]))}
+        for u in sorted({earlier[-1]} | extra):
+            g.add_edge(u, v, tensors=((u, 0, 0),))
+    g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None, 1), "float32", 4) for v in ["x"] + names}
+    g.graph["inputs"] = [("x", 0, 0)]
+    side = [] if chain or rnd.random() < 0.7 else [rnd.choice(names[:-1])]
+    g.graph["outputs"] = [(v, 0, 0) for v in [names[-1]] + side]
+    g.graph["state_chains"] = []
+    return g, names

@@ -20,8 +20,8 @@ from graphckpt.plan import (
     topological_order,
 )
 from graphckpt.planner import front
-from tests.planner.graphs import chain, random_costs
-from tests.planner.test_front import _brute_force, _graph, _peak, _reference_search
+from tests.planner.graphs import chain, random_costs, random_dag
+from tests.planner.references import brute_force, plan_peak, reference_search
 
 
 def _freeing(costs, nbytes):
@@ -80,7 +80,7 @@ def _case(seed):
     fifth seed), random costs, and random bytes freed per call."""
     rnd = random.Random(seed)
     n = rnd.randint(4, 8) if seed % 5 == 0 else rnd.randint(10, 30)
-    g, names = _graph(rnd, n, chain=seed % 3 == 0)
+    g, names = random_dag(rnd, n, chain=seed % 3 == 0)
     freed = {v: rnd.choice([0, 0, 50, 300, 10**4]) for v in names}
     costs = random_costs(rnd, g, names, lambda: float(rnd.choice([1, 2, 3, 50])), freed=freed)
     return g, costs, rnd
@@ -116,11 +116,11 @@ def test_the_budget_search_is_exact_on_freed_memory(seed):
     base = spans.inner_kept[0, spans.n]
     for cap in sorted({least - 1, least, int((least + base) / 2), base}):
         got = front.least_recompute(spans, cap, forbidden)
-        assert got == _reference_search(spans, cap, forbidden), (seed, cap)
+        assert got == reference_search(spans, cap, forbidden), (seed, cap)
         if got is not None:
-            assert _peak(spans, got[1]) <= cap
+            assert plan_peak(spans, got[1]) <= cap
         if spans.n <= 8:
-            best = _brute_force(spans, cap, forbidden)
+            best = brute_force(spans, cap, forbidden)
             assert (got is None) == (best is None) and (got is None or got[0] == pytest.approx(best))
 
 
