@@ -127,9 +127,9 @@ def freezable_chain():
 
 def residual_cnn():
     """Two residual blocks of Conv-BN-ReLU-Conv-BN + Add, ReLU, at 8 x 8 x 8:
-    the residual stream's gradient, which XLA recomputed inside the fusions
-    of the segments before until `graphckpt.remat.jax_materialize` made it
-    a buffer of its own."""
+    each segment's weight gradients are smaller than its input gradients,
+    so on JAX the input gradients are tied to them
+    (`graphckpt.remat._inputs_after_weights`)."""
     inp = keras.Input((8, 8, 8))
     x = inp
     for _ in range(2):
@@ -137,6 +137,32 @@ def residual_cnn():
         y = layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same", use_bias=False)(y))
         x = layers.ReLU()(layers.Add()([x, y]))
     return keras.Model(inp, layers.Dense(1)(layers.GlobalAveragePooling2D()(x)), name="residual_cnn")
+
+
+def attention_encoder():
+    """Two pre-norm Transformer blocks (LayerNormalization, 2-head
+    MultiHeadAttention with biases, a GELU FFN, residual adds) on 8 tokens.
+    Trained with SGD like every case: the attention's key bias has a true
+    gradient of zero (softmax ignores a shift shared by every key), so
+    Adam's steps on it are its gradient's rounding noise scaled up to the
+    learning rate. With Adam(1e-2) the key biases of this model drift apart
+    from plain `fit`'s (2e-4 after 12 steps, 2026-12-06) on TensorFlow with
+    Grappler's arithmetic optimizer on and on JAX (gradients equal to
+    rounding, not bit for bit: XLA fuses the two programs differently); on
+    PyTorch, and on TensorFlow with that optimizer off, they do not."""
+    inp = keras.Input((8, 16))
+    x = inp
+    for i in range(2):
+        h = layers.LayerNormalization(name=f"ln{i}a")(x)
+        x = layers.Add()([x, layers.MultiHeadAttention(2, 8, name=f"mha{i}")(h, h)])
+        h = layers.LayerNormalization(name=f"ln{i}b")(x)
+        x = layers.Add()([x, layers.Dense(16)(layers.Dense(32, activation="gelu")(h))])
+    return keras.Model(inp, layers.Dense(1)(layers.GlobalAveragePooling1D()(x)), name="attention_encoder")
+
+
+def _tokens():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 8, 16)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
 
 
 def _images():
@@ -212,6 +238,7 @@ CASES = {
     "mixed_float16": Case(mixed_chain, lambda: _regression(8), "mse", 3, policy="mixed_float16"),
     "freeze_unfreeze": Case(freezable_chain, lambda: _regression(8), "mse", 3, schedule=freeze_train_unfreeze),
     "residual_cnn": Case(residual_cnn, _images, "mse", 3),
+    "attention": Case(attention_encoder, _tokens, "mse", 2),
 }
 
 # mixed_float16 runs on TensorFlow and PyTorch, as issue 13 asks; mixed_bfloat16
