@@ -285,10 +285,13 @@ def _fit_task(model, x, y, flag):
 
 @pytest.mark.parametrize(
     "arch, segments",
-    # CI runs the two whose backbones needed a flattening fix; the rest are slow.
+    # CI runs the two whose backbones needed a flattening fix, and ViT, whose
+    # Adam-trained key biases (true gradient zero) catch a change of
+    # rounding on JAX; the rest are slow. On every backend.
     [pytest.param("llama", 3, marks=pytest.mark.slow), ("gemma3", 3), ("bert", 3),
-     pytest.param("vit", 2, marks=pytest.mark.slow), pytest.param("resnet", 3, marks=pytest.mark.slow)],
+     ("vit", 2), pytest.param("resnet", 3, marks=pytest.mark.slow)],
 )
+@pytest.mark.backends
 def test_task_models_train_exactly_through_the_fit_flag(installed, arch, segments):
     """LlamaCausalLM with LoRA, Gemma3CausalLM, BertTextClassifier,
     ViTImageClassifier and ResNetImageClassifier: the flag gives plain `fit`'s history (loss and
