@@ -233,6 +233,32 @@ def sublayers(layer, include_self=True):
     return list(layer._flatten_layers(include_self=include_self))
 
 
+def untracked_variables(model):
+    """Variables that layers of `model` hold in attributes without Keras
+    tracking them, so that `model.variables` omits them: a stateful RNN's
+    `states` (`RNN._create_state_variables` makes them under
+    `no_automatic_dependency_tracking`), which its `call` reads and then
+    assigns. Looked for in each layer's attributes, and in lists and tuples
+    there."""
+    import keras
+
+    known = {id(v) for v in model.variables}
+    found = {}
+
+    def walk(value):
+        if isinstance(value, keras.Variable):
+            if id(value) not in known:
+                found.setdefault(id(value), value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    for layer in sublayers(model):
+        for value in vars(layer).values():
+            walk(value)
+    return list(found.values())
+
+
 def has_sublayers(layer):
     """Whether `layer` tracks layers of its own (`Layer._layers`)."""
     return bool(layer._layers)

@@ -6,7 +6,8 @@ Recompute that differs from the forward pass gives wrong gradients, so:
 
 - **Random layers and BatchNormalization.** Every non-trainable variable of
   the sub-model (seed-generator states, moving statistics, frozen weights),
-  and the state of Keras's global seed generator when one exists, is
+  the variables its layers hold untracked (a stateful RNN's states), and
+  the state of Keras's global seed generator when one exists, is
   frozen to a snapshot taken *before* the forward pass, through a
   `keras.StatelessScope`. The forward pass and its recompute read the same
   snapshot, so they draw the same random numbers. The state the forward pass
@@ -101,6 +102,24 @@ def _outer_values(variables):
     return [scope.get_current_value(v) for v in variables]
 
 
+def _check_no_lost_assignments(segment, before, after, created=()):
+    """Raises if the sub-model assigned a variable the segment does not
+    know of: the assignment would stay in the segment's StatelessScope and
+    be lost, and training would silently differ from the original's.
+    `created`: variables made during the call (Keras's global seed
+    generator, made at the first unseeded random op), exempt."""
+    made = {id(v) for v in created}
+    lost = [key for key in after if key not in before and key not in made]
+    if lost:
+        raise errors.UnsupportedModelError(
+            f"A layer inside segment '{segment.name}' assigned {len(lost)} variable(s) that are not among "
+            "the model's variables (`model.variables`) nor held in a layer's attributes, so graphckpt "
+            "cannot snapshot them for the recompute or apply the assignment once. Tip: create such "
+            "state with `self.add_weight(..., trainable=False)`, or keep the layer out of recomputed "
+            "segments with `policy=graphckpt.policies.save_these_layers(...)`."
+        )
+
+
 @keras.saving.register_keras_serializable(package="graphckpt")
 class Segment(keras.layers.Layer):
     """Runs a functional sub-model with exact rematerialization in training.
@@ -159,7 +178,9 @@ class Segment(keras.layers.Layer):
     def _remat_call(self, inputs, masks):
         model = self.model
         state = [v for v in model.variables if not v.trainable]
-        state += [v for v in _global_seed_state() if all(v is not s for s in state)]
+        state += keras_compat.untracked_variables(model)  # a stateful RNN's states
+        generator = _global_seed_state()
+        state += [v for v in generator if all(v is not s for s in state)]
         trainable = [v for v in model.variables if v.trainable]
         with _no_autocast():
             snapshot = [_snapshot(v) for v in state]
@@ -221,6 +242,7 @@ class Segment(keras.layers.Layer):
                     for i, v in enumerate(state)
                     if scope.state_mapping.get(id(v)) is not before.get(id(v))
                 ]
+                _check_no_lost_assignments(self, before, scope.state_mapping, _global_seed_state())
                 new_state = [ops.stop_gradient(scope.get_current_value(state[i])) for i in updated]
                 losses = list(scope.losses)
                 # The layers inside keep the ids of these losses (Keras's
@@ -254,6 +276,15 @@ class Segment(keras.layers.Layer):
 
         args = [inputs[i] for i in float_idx]
         results = list(remat.segment_remat(forward, len(args))(*args, *[x for _, x in passed]))
+        if not generator and _global_seed_state():
+            # Keras made its global seed generator in this call, at the
+            # segment's first unseeded random op, so it is not in the
+            # snapshot: the forward pass advanced it only inside its scope,
+            # and the recompute would read it afresh. Its state is still the
+            # initial one the forward pass drew from: run again with it in
+            # the snapshot, as every later call does (the results above are
+            # dropped; nothing of them was assigned).
+            return self._remat_call(inputs, masks)
         n_out, masked, updated, n_losses, out_order, with_logits = layout["found"]
         outs = [None] * n_out
         for i, x in zip(out_order, results[:n_out]):

@@ -22,16 +22,20 @@ def to_numpy(x):
 
 
 def _all_state(model):
-    """`model.variables` plus Keras's global seed generator state, if any."""
+    """`model.variables`, the variables layers hold untracked (a stateful
+    RNN's states), and Keras's global seed generator state, if any."""
     from keras.src.backend.common import global_state
 
+    from graphckpt.keras_compat import untracked_variables
+
     generator = global_state.get_global_attribute("global_seed_generator")
-    return list(model.variables) + ([generator.state] if generator is not None else [])
+    untracked = untracked_variables(model)
+    return list(model.variables) + untracked + ([generator.state] if generator is not None else [])
 
 
 def state_of(model):
-    """Every variable of `model` (weights, statistics, seed states, and the
-    global seed generator's state) as numpy."""
+    """Every variable of `model` (weights, statistics, seed states, a
+    stateful RNN's states, and the global seed generator's state) as numpy."""
     return [to_numpy(v.value) for v in _all_state(model)]
 
 

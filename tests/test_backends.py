@@ -116,6 +116,62 @@ def test_batchnorm_statistics_updated_exactly_once(compiled):
     assert not np.allclose(before, to_numpy(bn.moving_mean))
 
 
+def _stateful_rnn():
+    inp = keras.Input((5, 4), batch_size=4)
+    x = layers.Dense(4, activation="tanh")(inp)
+    x = layers.LSTM(6, return_sequences=True, stateful=True)(x)
+    x = layers.Dense(6, activation="tanh")(x)
+    x = layers.Dense(6, activation="tanh")(x)
+    return keras.Model(inp, layers.Dense(1)(x))
+
+
+@MODES
+@pytest.mark.skipif(BACKEND == "torch", reason="the plain model's step fails in Keras on PyTorch (in-place state)")
+def test_stateful_rnn_states_are_snapshotted_and_assigned_once(compiled):
+    """A stateful RNN's states are variables Keras does not track (not in
+    `model.variables`). Its segment reads them from a snapshot, in the
+    forward pass and in the recompute alike, and assigns the new states
+    once: the same gradients and states after the step as the original
+    (`state_of` includes them). Before, the segment's forward pass left the
+    new states in its StatelessScope and they were never assigned."""
+    model = _stateful_rnn()
+    lstm = next(l for l in model.layers if isinstance(l, layers.LSTM))
+    rng = np.random.default_rng(4)
+    for v in lstm.states:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    assert any(lstm in s.model.layers for s in _segments(ck))
+    before = [to_numpy(v) for v in lstm.states]
+    compare_step(model, ck, rng.normal(size=(4, 5, 4)).astype("float32"), compiled=compiled)
+    if BACKEND != "jax":  # Keras's JAX step does not carry the states, plain or not
+        assert not np.allclose(before[0], to_numpy(lstm.states[0]))
+
+
+_OUTSIDE = []
+
+
+class _CountsCalls(layers.Layer):
+    """Assigns a variable no layer holds (so no one can find it)."""
+
+    def call(self, x):
+        _OUTSIDE[0].assign_add(1.0)
+        return x
+
+
+def test_a_variable_assigned_from_outside_the_model_is_an_error():
+    """Where a layer assigns a variable that is neither among the model's
+    variables nor held by a layer, the assignment would stay in the
+    segment's scope and be lost: one clear error instead."""
+    _OUTSIDE[:] = [keras.Variable(0.0, trainable=False)]
+    inp = keras.Input((4,))
+    x = layers.Dense(4, activation="tanh")(inp)
+    x = _CountsCalls()(x)
+    x = layers.Dense(4, activation="tanh")(x)
+    ck = graphckpt.checkpoint_model(keras.Model(inp, layers.Dense(1)(x)), segments=2)
+    with pytest.raises(graphckpt.UnsupportedModelError, match=r"segment_\d'.*assigned 1 variable"):
+        ck(np.ones((2, 4), "float32"), training=True)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="the PyTorch-specific hazard (pytorch issue 96136)")
 def test_naive_torch_checkpoint_updates_batchnorm_twice():
     """Guard: plain `torch.utils.checkpoint` (what `keras.remat` is on
@@ -268,13 +324,42 @@ def test_unseeded_random_ops_are_exact(compiled):
 
 @UNSEEDED
 def test_unseeded_random_ops_need_the_global_state(monkeypatch):
-    """Guard: without the global generator in the snapshot the recompute
-    draws again and the gradients differ."""
+    """Guard: without the global generator in the snapshot, the forward
+    pass's draws would advance it only inside the segment's scope (and the
+    recompute would draw again): an error, not a silent difference."""
     monkeypatch.setattr("graphckpt.segment._global_seed_state", lambda: [])
     model = _unseeded_model()
     ck = graphckpt.checkpoint_model(model, segments=3)
-    with pytest.raises(AssertionError):
+    with pytest.raises(graphckpt.UnsupportedModelError, match="assigned 1 variable"):
         compare_step(model, ck, np.ones((4, 8), "float32"))
+
+
+@UNSEEDED
+def test_unseeded_random_ops_are_exact_when_keras_makes_its_generator_in_a_segment():
+    """`keras.utils.set_random_seed` drops Keras's global seed generator;
+    the first unseeded random op makes a new one, here inside a segment's
+    forward pass. The segment then runs again with it in the snapshot
+    (`Segment._remat_call`): `fit` trains as plain `fit` does. Before, on
+    PyTorch, the next segment drew the same numbers again."""
+
+    def trained(checkpoint):
+        keras.utils.set_random_seed(1)
+        inp = keras.Input((8,))
+        x = inp
+        for _ in range(6):
+            x = _UnseededNoise()(layers.Dense(8, activation="tanh")(x))
+        model = keras.Model(inp, layers.Dense(1)(x))
+        target = graphckpt.checkpoint_model(model, segments=3) if checkpoint else model
+        target.compile(optimizer="sgd", loss="mse")
+        keras.utils.set_random_seed(5)  # no global generator from here on
+        x, y = np.random.default_rng(0).normal(size=(32, 8)).astype("float32"), np.zeros((32, 1), "float32")
+        history = target.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+        return history, [to_numpy(v) for v in model.weights]
+
+    want, got = trained(False), trained(True)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _segments(ck):
