@@ -2,13 +2,16 @@
 have, on two CPU devices:
 
 - TensorFlow `tf.distribute.MirroredStrategy` over two logical CPU devices;
-- JAX `keras.distribution.DataParallel` over two host devices.
+- JAX `keras.distribution.DataParallel` over two host devices, and
+  `keras.distribution.ModelParallel` with every Dense kernel and bias split
+  across them (how keras_hub shards Gemma for LoRA fine-tuning).
 
 The device layout is fixed when the backend initializes, so each run is a
 fresh subprocess: this file, run as a script. The worker prints one JSON line
 of loss histories; the tests compare them.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -17,6 +20,7 @@ import sys
 WIDTH, BATCH, EPOCHS = 16, 16, 3
 
 
+@functools.cache
 def _run_worker(engine):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env["KERAS_BACKEND"] = {"mirrored": "tensorflow", "jax": "jax"}[engine]
@@ -48,6 +52,13 @@ def test_jax_data_parallel_two_host_devices():
     _close(out["parallel_checkpointed"], out["parallel_plain"], rtol=1e-5)
     _close(out["parallel_checkpointed_bn"], out["single_plain_bn"], rtol=1e-4)
     assert out["parallel_checkpointed"][-1] < out["parallel_checkpointed"][0]
+
+
+def test_jax_model_parallel_weights_split_across_two_host_devices():
+    out = _run_worker("jax")
+    assert out["split_weights"] == 2 * 9  # every Dense kernel and bias, sharded on "model"
+    _close(out["sharded_checkpointed"], out["sharded_plain"], rtol=1e-5)
+    _close(out["sharded_checkpointed"], out["single_plain"], rtol=1e-4)
 
 
 def _close(actual, expected, rtol):
@@ -131,6 +142,15 @@ def _jax():
     model, out["parallel_checkpointed"] = _fit(parallel.scope(), True)
     assert all(len(v.value.sharding.device_set) == len(devices) for v in model.trainable_variables)
     out["parallel_checkpointed_bn"] = _fit(parallel.scope(), True, bn=True)[1]
+
+    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+    layout = keras.distribution.LayoutMap(mesh)
+    layout["dense.*kernel"] = (None, "model")
+    layout["dense.*bias"] = ("model",)
+    sharded = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
+    out["sharded_plain"] = _fit(sharded.scope(), False)[1]
+    model, out["sharded_checkpointed"] = _fit(sharded.scope(), True)
+    out["split_weights"] = sum("model" in tuple(v.value.sharding.spec) for v in model.trainable_variables)
     return out
 
 
