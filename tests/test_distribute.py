@@ -61,6 +61,17 @@ def test_jax_model_parallel_weights_split_across_two_host_devices():
     _close(out["sharded_checkpointed"], out["single_plain"], rtol=1e-4)
 
 
+def test_jax_model_parallel_gemma_lora_through_the_fit_flag():
+    """keras_hub's GemmaCausalLM with LoRA and Dropout, its weights split
+    by `GemmaBackbone.get_layout_map`: the fit flag trains it as plain
+    `fit` does (weights equal to rounding: JAX's fused programs differ)."""
+    out = _run_worker("jax")
+    assert out["gemma_split"] >= 10
+    assert out["gemma_segments_run"] == [True] * 3
+    _close(out["gemma_flag"], out["gemma_plain"], rtol=1e-5)
+    assert out["gemma_weight_diff"] < 1e-5
+
+
 def _close(actual, expected, rtol):
     import numpy as np
 
@@ -131,6 +142,7 @@ def _jax():
 
     import jax
     import keras
+    import numpy as np
 
     devices = jax.devices()
     parallel = keras.distribution.DataParallel(devices=devices)
@@ -151,7 +163,60 @@ def _jax():
     out["sharded_plain"] = _fit(sharded.scope(), False)[1]
     model, out["sharded_checkpointed"] = _fit(sharded.scope(), True)
     out["split_weights"] = sum("model" in tuple(v.value.sharding.spec) for v in model.trainable_variables)
+
+    import keras_hub
+
+    gemma = keras.distribution.ModelParallel(
+        layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh), batch_dim_name="batch"
+    )
+    plain, out["gemma_plain"] = _gemma_lora(gemma, None)
+    flagged, out["gemma_flag"] = _gemma_lora(gemma, 3)
+    out["gemma_split"] = sum(_split(v) for v in flagged.weights)
+    from graphckpt.fit import _CACHE_ATTR
+
+    (twin,) = flagged.__dict__[_CACHE_ATTR].twins.values()
+    out["gemma_segments_run"] = [s.forward_calls >= 2 for s in twin.segments]  # forward and recompute traced
+    out["gemma_weight_diff"] = max(
+        float(np.max(np.abs(keras.ops.convert_to_numpy(a) - keras.ops.convert_to_numpy(b))))
+        for a, b in zip(flagged.weights, plain.weights)
+    )
     return out
+
+
+def _split(variable):
+    spec = getattr(variable.value.sharding, "spec", ())
+    return "model" in tuple(spec)
+
+
+def _gemma_lora(distribution, flag):
+    """A small GemmaCausalLM with LoRA and Dropout, its weights split as
+    keras_hub's layout map splits them, trained with the fit flag (`flag`
+    segments) or without (None)."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    import graphckpt
+
+    rng = np.random.default_rng(1)
+    x = {"token_ids": rng.integers(1, 64, (8, 16)).astype("int32"), "padding_mask": np.ones((8, 16), "bool")}
+    y = rng.integers(1, 64, (8, 16)).astype("int32")
+    graphckpt.install()
+    try:
+        with distribution.scope():
+            keras.utils.set_random_seed(0)
+            backbone = keras_hub.models.GemmaBackbone(
+                vocabulary_size=64, num_layers=3, num_query_heads=2, num_key_value_heads=2, hidden_dim=16,
+                intermediate_dim=32, head_dim=8, dropout=0.1,
+            )
+            lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+            lm.backbone.enable_lora(4)
+            lm.compile(optimizer=keras.optimizers.Adam(1e-2))
+            keras.utils.set_random_seed(1)  # the same Dropout masks
+            history = lm.fit(x, y, batch_size=4, epochs=EPOCHS, shuffle=False, verbose=0, gradient_checkpointing=flag)
+    finally:
+        graphckpt.uninstall()
+    return lm, [float(v) for v in history.history["loss"]]
 
 
 if __name__ == "__main__":
