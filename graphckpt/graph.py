@@ -77,6 +77,8 @@ class TensorInfo:
     shape: tuple
     dtype: str
     nbytes: int
+    sparse: bool = False
+    ragged: bool = False
 
 
 def tensor_key(tensor):
@@ -104,6 +106,8 @@ def _tensor_info(tensor, producer, key):
         shape=shape,
         dtype=str(tensor.dtype),
         nbytes=int(per_example * dtype_size(tensor.dtype)),
+        sparse=bool(getattr(tensor, "sparse", False)),
+        ragged=bool(getattr(tensor, "ragged", False)),
     )
 
 

@@ -116,7 +116,9 @@ def _segment_model(graph, seg, name, policy, names):
     inputs = []
     for key in seg.inputs:
         info = tensors[key]
-        x = keras.Input(batch_shape=info.shape, dtype=info.dtype, name=f"{name}_in{len(inputs)}")
+        x = keras.Input(
+            batch_shape=info.shape, dtype=info.dtype, sparse=info.sparse, ragged=info.ragged, name=f"{name}_in{len(inputs)}"
+        )
         values[key] = x
         inputs.append(x)
     calls = []

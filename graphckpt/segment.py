@@ -85,6 +85,28 @@ def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
 
 
+def _components(x):
+    """`x`'s component tensors, and a function that builds `x` again from
+    new ones: a sparse tensor's (TensorFlow's `SparseTensor`: indices,
+    values, shape; JAX's `BCOO`: data, indices), or `[x]` for a tensor."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
+            return tf.nest.flatten(x, expand_composites=True), (
+                lambda parts: tf.nest.pack_sequence_as(x, parts, expand_composites=True)
+            )
+    elif backend == "jax":
+        import jax
+        from jax.experimental import sparse
+
+        if isinstance(x, sparse.JAXSparse):
+            leaves, treedef = jax.tree_util.tree_flatten(x)
+            return leaves, lambda parts: jax.tree_util.tree_unflatten(treedef, parts)
+    return [x], lambda parts: parts[0]
+
+
 def _global_seed_state():
     """The state of Keras's global seed generator, if one exists: layers that
     call `keras.random.*` with `seed=None` draw from it."""
@@ -212,19 +234,27 @@ class Segment(keras.layers.Layer):
             # ids) and no differentiated value is closed over.
             closed, passed = [], closed + passed
         mapping = closed + passed
-        float_idx = [i for i, x in enumerate(inputs) if backend == "jax" or _is_float(x)]
+        # A sparse input enters as its component tensors (values, indices,
+        # shape): the float ones are arguments, so gradients reach them.
+        parts, packs = [], []
+        for x in inputs:
+            components, pack = _components(x)
+            packs.append((len(parts), len(components), pack))
+            parts += components
+        float_idx = [i for i, x in enumerate(parts) if backend == "jax" or _is_float(x)]
         layout = {}
 
         def forward(*args, tie=list):
             # `tie`: in TensorFlow's recompute, ties what is closed over to
             # the incoming gradients (see `remat.segment_remat`).
             self.forward_calls += 1
-            xs = list(inputs)
-            other_idx = [i for i in range(len(xs)) if i not in float_idx]
-            for i, x in zip(other_idx, tie([xs[i] for i in other_idx])):
-                xs[i] = x
+            ps = list(parts)
+            other_idx = [i for i in range(len(ps)) if i not in float_idx]
+            for i, x in zip(other_idx, tie([ps[i] for i in other_idx])):
+                ps[i] = x
             for i, x in zip(float_idx, args):
-                xs[i] = x
+                ps[i] = x
+            xs = [pack(ps[start : start + n]) for start, n, pack in packs]
             values = tie([x for _, x in closed]) + list(args[len(float_idx) :])
             with _no_autocast():
                 scope = keras.StatelessScope(
@@ -274,7 +304,7 @@ class Segment(keras.layers.Layer):
             logits = [out_logits[i] for i in found[5]]
             return tuple([outs[i] for i in found[4]] + logits + float_masks + new_state + losses)
 
-        args = [inputs[i] for i in float_idx]
+        args = [parts[i] for i in float_idx]
         results = list(remat.segment_remat(forward, len(args))(*args, *[x for _, x in passed]))
         if not generator and _global_seed_state():
             # Keras made its global seed generator in this call, at the

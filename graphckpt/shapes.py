@@ -29,6 +29,7 @@ Contract:
   `graphckpt.InvalidArgumentError`.
 """
 
+import dataclasses
 import math
 import numbers
 import warnings
@@ -37,7 +38,7 @@ from collections.abc import Mapping, Sequence
 import networkx as nx
 
 from graphckpt import errors
-from graphckpt.graph import TensorInfo, dtype_size
+from graphckpt.graph import dtype_size
 
 __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propagate", "unknown_inputs"]
 
@@ -186,13 +187,7 @@ def _topological(graph):
 
 def _info(info, shape):
     per_example = math.prod(d if d is not None else 1 for d in shape[1:])
-    return TensorInfo(
-        key=info.key,
-        producer=info.producer,
-        shape=shape,
-        dtype=info.dtype,
-        nbytes=int(per_example * dtype_size(info.dtype)),
-    )
+    return dataclasses.replace(info, shape=shape, nbytes=int(per_example * dtype_size(info.dtype)))
 
 
 def _spec_shapes(outputs):

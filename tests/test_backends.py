@@ -147,6 +147,39 @@ def test_stateful_rnn_states_are_snapshotted_and_assigned_once(compiled):
         assert not np.allclose(before[0], to_numpy(lstm.states[0]))
 
 
+def _sparse_batch(rows=8, cols=50):
+    """A random sparse batch as the backend's sparse tensor."""
+    dense = np.random.default_rng(5).normal(size=(rows, cols)).astype("float32")
+    dense[np.random.default_rng(6).uniform(size=dense.shape) > 0.1] = 0.0
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.sparse.from_dense(dense)
+    from jax.experimental import sparse
+
+    return sparse.BCOO.fromdense(dense)
+
+
+@MODES
+@pytest.mark.skipif(BACKEND == "torch", reason="Keras has no sparse inputs on PyTorch")
+def test_sparse_inputs_stay_sparse_and_get_exact_gradients(compiled):
+    """A sparse input reaches its segment as a sparse tensor (the
+    sub-model's input is declared sparse, so Keras does not densify it) and
+    enters the rematerialized function as its components, the values an
+    argument. Before, TensorFlow refused a `SparseTensor` as a gradient
+    source and JAX could not tie a `BCOO`."""
+    inp = keras.Input((50,), sparse=True)
+    x = layers.Dense(16, activation="tanh")(inp)
+    x = layers.Dropout(0.2)(x)
+    for _ in range(4):
+        x = layers.Dense(16, activation="tanh")(x)
+    model = keras.Model(inp, layers.Dense(2)(x))
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    first = _segments(ck)[0]
+    assert first.model.inputs[0].sparse
+    compare_step(model, ck, _sparse_batch(), compiled=compiled)
+
+
 _OUTSIDE = []
 
 
