@@ -172,16 +172,25 @@ def _state_chains(graph):
     original's results in the original's order. User code (Lambda and custom
     layers) may share state no layer owns, e.g. Keras's global seed generator
     (`keras.random.*` with `seed=None`), so all its calls form one chain too.
+    On PyTorch, so do the calls whose dropout draws from torch's global
+    generator (a layer with a `SeedGenerator` made without a seed): in another
+    order they would draw other masks than the original's.
     """
+    import keras
+
+    torch_generator = keras.backend.backend() == "torch"
     by_variable = {}
     calls = sorted(graph.nodes(data=True), key=lambda item: item[1]["position"])
     for key, data in calls:
         if data["kind"] == "input":
             continue
-        for v in getattr(data["layer"], "non_trainable_variables", ()):  # ops have none
+        layer = data["layer"]
+        for v in getattr(layer, "non_trainable_variables", ()):  # ops have none
             by_variable.setdefault(id(v), []).append(key)
-        if _runs_user_code(data["layer"]):
+        if _runs_user_code(layer):
             by_variable.setdefault("user code", []).append(key)
+        if torch_generator and isinstance(layer, keras.layers.Layer) and keras_compat.draws_from_torch_global_generator(layer):
+            by_variable.setdefault("torch's global generator", []).append(key)
     chains = (tuple(keys) for keys in by_variable.values() if len(keys) > 1)
     return list(dict.fromkeys(chains))
 

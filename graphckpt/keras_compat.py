@@ -259,6 +259,19 @@ def untracked_variables(model):
     return list(found.values())
 
 
+def draws_from_torch_global_generator(layer):
+    """Whether `layer`, or a layer inside it, owns a `SeedGenerator` made
+    without a seed (`Layer._seed_generators`, `SeedGenerator._initial_seed`):
+    on PyTorch, Keras's `dropout` with such a generator draws from torch's
+    global generator (keras/src/backend/torch/random.py), one state that
+    every such call advances in turn."""
+    return any(
+        generator._initial_seed is None
+        for sub in sublayers(layer)
+        for generator in getattr(sub, "_seed_generators", ())
+    )
+
+
 def has_sublayers(layer):
     """Whether `layer` tracks layers of its own (`Layer._layers`)."""
     return bool(layer._layers)

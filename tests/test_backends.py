@@ -147,6 +147,33 @@ def test_stateful_rnn_states_are_snapshotted_and_assigned_once(compiled):
         assert not np.allclose(before[0], to_numpy(lstm.states[0]))
 
 
+def _two_branches_with_dropout():
+    """A long branch and a short one, each with unseeded Dropout: Keras runs
+    the long branch's calls first (deepest first), an as-soon-as-possible
+    order the short branch's Dropout first."""
+    a, b = keras.Input((8,)), keras.Input((8,))
+    x = a
+    for _ in range(3):
+        x = layers.Dropout(0.3)(layers.Dense(8, activation="tanh")(x))
+    y = layers.Dense(8, activation="tanh")(layers.Dropout(0.3)(b))
+    z = layers.Dense(8, activation="tanh")(layers.Concatenate()([x, y]))
+    return keras.Model([a, b], layers.Dense(1)(z))
+
+
+def test_unseeded_dropout_on_two_branches_draws_the_original_masks():
+    """On PyTorch, Keras's dropout with an unseeded `SeedGenerator` draws
+    from torch's global generator, so masks depend on the order of the
+    calls: such calls keep Keras's order (`graph._state_chains`). Before,
+    the planner's as-soon-as-possible order ran the short branch's Dropout
+    first, and a checkpointed BartBackbone's outputs differed from the
+    original's on PyTorch."""
+    model = _two_branches_with_dropout()
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    rng = np.random.default_rng(3)
+    x = [rng.normal(size=(16, 8)).astype("float32"), rng.normal(size=(16, 8)).astype("float32")]
+    compare_step(model, ck, x)
+
+
 def _sparse_batch(rows=8, cols=50):
     """A random sparse batch as the backend's sparse tensor."""
     dense = np.random.default_rng(5).normal(size=(rows, cols)).astype("float32")
