@@ -267,6 +267,16 @@ def _task(arch):
         x = _text(seed=1, batch=8)
         y = np.random.default_rng(2).integers(1, VOCAB, (8, SEQ)).astype("int32")
         return keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None), x, y
+    if arch == "bart":  # an encoder and a decoder branch, Dropout on both
+        backbone = keras_hub.models.BartBackbone(
+            vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+            max_sequence_length=32, dropout=0.1,
+        )
+        enc, dec = _text(seed=1, batch=8), _text(seed=3, batch=8)
+        x = {"encoder_token_ids": enc["token_ids"], "encoder_padding_mask": enc["padding_mask"],
+             "decoder_token_ids": dec["token_ids"], "decoder_padding_mask": dec["padding_mask"]}
+        y = np.random.default_rng(2).integers(1, VOCAB, (8, SEQ)).astype("int32")
+        return keras_hub.models.BartSeq2SeqLM(backbone=backbone, preprocessor=None), x, y
     if arch == "bert":
         x = {**_text(seed=1, batch=8), "segment_ids": np.zeros((8, SEQ), "int32")}
         return keras_hub.models.BertTextClassifier(bert(), num_classes=3, preprocessor=None), x, labels
@@ -285,16 +295,17 @@ def _fit_task(model, x, y, flag):
 
 @pytest.mark.parametrize(
     "arch, segments",
-    # CI runs the two whose backbones needed a flattening fix, and ViT, whose
+    # CI runs the two whose backbones needed a flattening fix, ViT, whose
     # Adam-trained key biases (true gradient zero) catch a change of
-    # rounding on JAX; the rest are slow. On every backend.
+    # rounding on JAX, and BART, whose two branches caught a change of
+    # Dropout order on PyTorch; the rest are slow. On every backend.
     [pytest.param("llama", 3, marks=pytest.mark.slow), ("gemma3", 3), ("bert", 3),
-     ("vit", 2), pytest.param("resnet", 3, marks=pytest.mark.slow)],
+     ("vit", 2), ("bart", 3), pytest.param("resnet", 3, marks=pytest.mark.slow)],
 )
 @pytest.mark.backends
 def test_task_models_train_exactly_through_the_fit_flag(installed, arch, segments):
     """LlamaCausalLM with LoRA, Gemma3CausalLM, BertTextClassifier,
-    ViTImageClassifier and ResNetImageClassifier: the flag gives plain `fit`'s history (loss and
+    ViTImageClassifier, BartSeq2SeqLM and ResNetImageClassifier: the flag gives plain `fit`'s history (loss and
     the task's metrics) and weights, cuts inside the backbone (but ViT's,
     whose blocks are one layer), recomputes, and leaves the task model
     what it was."""
