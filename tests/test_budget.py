@@ -30,6 +30,7 @@ from graphckpt.plan import (
 from graphckpt.segment import Segment
 from tests import models
 from tests.helpers import compare_step
+from tests.planner.graphs import dag
 
 MODES = pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 
@@ -42,19 +43,11 @@ def random_dag(rng, n):
     n0..n{n-1} are layer calls, each making one tensor; a call reads 1-2
     earlier tensors. The last call is the model output, plus sometimes one
     more."""
-    g = nx.DiGraph()
-    g.add_node("x", kind="input", position=0)
-    names = [f"n{i}" for i in range(n)]
-    for i, v in enumerate(names):
-        g.add_node(v, kind="layer", position=i + 1)
-        earlier = ["x"] + names[:i]
-        preds = {earlier[-1]} | ({rng.choice(earlier)} if rng.random() < 0.5 else set())
-        for u in preds:
-            g.add_edge(u, v, tensors=((u, 0, 0),))
-    g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None, 1), "float32", 4) for v in ["x"] + names}
-    g.graph["inputs"] = [("x", 0, 0)]
-    outputs = [names[-1]] + ([rng.choice(names[:-1])] if n > 2 and rng.random() < 0.3 else [])
-    g.graph["outputs"] = [(v, 0, 0) for v in outputs]
+    g, _ = dag(
+        n,
+        lambda i, earlier: {rng.choice(earlier)} if rng.random() < 0.5 else set(),
+        lambda names: rng.choice(names[:-1]) if n > 2 and rng.random() < 0.3 else None,
+    )
     return g
 
 

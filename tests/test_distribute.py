@@ -162,7 +162,7 @@ def _jax():
     sharded = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
     out["sharded_plain"] = _fit(sharded.scope(), False)[1]
     model, out["sharded_checkpointed"] = _fit(sharded.scope(), True)
-    out["split_weights"] = sum("model" in tuple(v.value.sharding.spec) for v in model.trainable_variables)
+    out["split_weights"] = sum(_split(v) for v in model.trainable_variables)
 
     import keras_hub
 

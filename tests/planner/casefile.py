@@ -32,7 +32,7 @@ from graphckpt.plan import (
     segment_peaks,
     smallest_peak,
 )
-from tests.planner.graphs import random_costs
+from tests.planner.graphs import dag, random_costs
 
 CASES_DIR = os.path.join(os.path.dirname(__file__), "cases")
 
@@ -189,20 +189,11 @@ def random_graph(seed, n):
     a side output sometimes), with random costs; unit compute on even seeds
     so that many plans tie."""
     rnd = random.Random(seed)
-    g = nx.DiGraph()
-    g.add_node("x", kind="input", position=0)
-    names = [f"n{i}" for i in range(n)]
-    for i, v in enumerate(names):
-        g.add_node(v, kind="layer", position=i + 1)
-        earlier = ["x"] + names[:i]
-        preds = {earlier[-1]} | {rnd.choice(earlier) for _ in range(rnd.choice([0, 0, 1, 2]))}
-        for u in sorted(preds):
-            g.add_edge(u, v, tensors=((u, 0, 0),))
-    g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None, 1), "float32", 4) for v in ["x"] + names}
-    g.graph["inputs"] = [("x", 0, 0)]
-    outputs = [names[-1]] + ([rnd.choice(names[:-1])] if rnd.random() < 0.3 else [])
-    g.graph["outputs"] = [(v, 0, 0) for v in outputs]
-    g.graph["state_chains"] = []
+    g, names = dag(
+        n,
+        lambda i, earlier: {rnd.choice(earlier) for _ in range(rnd.choice([0, 0, 1, 2]))},
+        lambda names: rnd.choice(names[:-1]) if rnd.random() < 0.3 else None,
+    )
     costs = random_costs(rnd, g, names, lambda: 1.0 if seed % 2 == 0 else rnd.choice([1.0, 2.5, 1e6, 3.3e9]))
     keep = [v for v in names if rnd.random() < 0.15]
     return g, costs, keep

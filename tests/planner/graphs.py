@@ -36,21 +36,35 @@ def random_costs(rnd, graph, names, compute, **fields):
     )
 
 
-def random_dag(rnd, n, chain):
-    """A layer-call graph in graph.py's schema: a chain, or a random DAG
-    (calls reading 1-3 earlier tensors, a side output sometimes)."""
+def dag(n, reads, side_output):
+    """A layer-call graph in graph.py's schema: the input `x`, then calls
+    `n0` .. `n{n-1}`, each making one 4-byte tensor and reading the one
+    before it and `reads(i, earlier)` (a set drawn from `earlier`, the
+    tensors made before call i); the last call is an output, and so is
+    `side_output(names)` unless None. The random generators below and in
+    tests/planner/casefile.py and tests/test_budget.py draw through these
+    two functions, in that order."""
     g = nx.DiGraph()
     g.add_node("x", kind="input", position=0)
     names = [f"n{i}" for i in range(n)]
     for i, v in enumerate(names):
         g.add_node(v, kind="layer", position=i + 1)
         earlier = ["x"] + names[:i]
-        extra = set() if chain else {rnd.choice(earlier) for _ in range(rnd.choice([0, 0, 1, 2]))}
-        for u in sorted({earlier[-1]} | extra):
+        for u in sorted({earlier[-1]} | reads(i, earlier)):
             g.add_edge(u, v, tensors=((u, 0, 0),))
     g.graph["tensors"] = {(v, 0, 0): TensorInfo((v, 0, 0), v, (None, 1), "float32", 4) for v in ["x"] + names}
     g.graph["inputs"] = [("x", 0, 0)]
-    side = [] if chain or rnd.random() < 0.7 else [rnd.choice(names[:-1])]
-    g.graph["outputs"] = [(v, 0, 0) for v in [names[-1]] + side]
+    side = side_output(names)
+    g.graph["outputs"] = [(v, 0, 0) for v in [names[-1]] + ([] if side is None else [side])]
     g.graph["state_chains"] = []
     return g, names
+
+
+def random_dag(rnd, n, chain):
+    """A layer-call graph in graph.py's schema: a chain, or a random DAG
+    (calls reading 1-3 earlier tensors, a side output sometimes)."""
+    return dag(
+        n,
+        lambda i, earlier: set() if chain else {rnd.choice(earlier) for _ in range(rnd.choice([0, 0, 1, 2]))},
+        lambda names: None if chain or rnd.random() < 0.7 else rnd.choice(names[:-1]),
+    )
