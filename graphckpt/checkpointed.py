@@ -118,17 +118,6 @@ def _in_source_order(model, own, attribute):
 _CLONE_ATTR = "_graphckpt_clone"
 
 
-def _is_clone_model(operation_fn):
-    """Whether Keras's `clone_model` is running a model's graph: its
-    `operation_fn` returns a clone of each layer rather than calling it."""
-    cloning = keras_compat.clone_function()
-
-    return (
-        getattr(operation_fn, "__module__", None) == cloning.__name__
-        and getattr(operation_fn, "__qualname__", "").startswith("_clone_functional_model.")
-    )
-
-
 def _clone_source(model, inputs, operation_fn, call_fn):
     """Clones `model`'s source model as `clone_model` would: each layer
     call replayed, in the plan's order, on `operation_fn(layer)` (Keras's
@@ -286,7 +275,7 @@ class CheckpointedModel(keras.Model):
 
     def _run_through_graph(self, inputs, *args, **kwargs):
         operation_fn = kwargs.get("operation_fn", args[0] if args else None)
-        if _is_clone_model(operation_fn):
+        if keras_compat.is_clone_operation_fn(operation_fn):
             return _clone_for_keras(self, inputs, operation_fn, kwargs.get("call_fn"))
         return super()._run_through_graph(inputs, *args, **kwargs)
 

@@ -17,8 +17,9 @@ Contract:
   node's `input_tensors` / `outputs`, in order: a flattened model's inner
   inputs stand for the outer tensors they were called on, and its outer
   outputs for the inner tensors that compute them.
-- A flattened node's `training` is the `training=` an enclosing nested call
-  passed explicitly (outermost first, as Keras resolves it), or None.
+- A flattened node's `training` is the `training=` the enclosing nested
+  calls passed explicitly, resolved as Keras resolves it
+  (`keras_compat.resolve_training`), or None.
 - One edge per producer -> consumer pair. Its `tensors` attribute lists the
   keys of the tensors that flow along it; a key is
   `(layer_path, node_index, tensor_index)`, Keras's own `_keras_history`
@@ -238,7 +239,7 @@ class _Builder:
 
                 outer = tree.flatten(called_on(node))
                 inner_bound = {id(x): keys[id(t)] for x, t in zip(inner.inputs, outer)}
-                forced = training if training is not None else node.arguments.kwargs.get("training")
+                forced = keras_compat.resolve_training(training, node.arguments.kwargs.get("training"))
                 inner_keys = self.add(inner, inner_prefix, inner_bound, forced, op)
                 out_keys = [inner_keys[id(x)] for x in inner.outputs]
             keys.update((id(t), k) for t, k in zip(node.outputs, out_keys))

@@ -7,13 +7,9 @@ keras_hub's transformer blocks (`TransformerDecoder`, `LlamaTransformerDecoder`,
 `graphckpt.estimate`, which applies these rules to the sublayers it finds.
 """
 
-import importlib
 import inspect
-import sys
 
-from graphckpt import rules
-
-_HUB_LAYERS = "keras_hub.src.layers.modeling."
+from graphckpt import keras_compat, rules
 
 
 def _grouped_attention(layer, ins, outs):
@@ -29,13 +25,6 @@ def _grouped_attention(layer, ins, outs):
     )
 
 
-def _class(module, name):
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):  # another keras_hub version
-        return None
-
-
 _SCANNED = set()
 
 
@@ -47,8 +36,8 @@ def register(module_name):
         return
     if not _SCANNED:
         _register_layers()
-    for name, module in list(sys.modules.items()):
-        if name.startswith("keras_hub.src.models.") and name not in _SCANNED:
+    for name, module in keras_compat.hub_model_modules():
+        if name not in _SCANNED:
             _SCANNED.add(name)
             for _, cls in inspect.getmembers(module, inspect.isclass):
                 if cls.__module__ == name and _takes_grouped_heads(cls):
@@ -65,7 +54,7 @@ def _register_layers():
     }
     for path, (rule, expensive) in fixed.items():
         module, name = path.rsplit(".", 1)
-        cls = _class(_HUB_LAYERS + module, name)
+        cls = keras_compat.hub_class(f"layers.modeling.{module}", name)
         if cls is not None:
             rules.register_builtin_rule(cls, rule, expensive=expensive)
 

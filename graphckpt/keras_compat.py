@@ -56,7 +56,7 @@ def set_nodes_by_depth(fn, nodes):
     fn._nodes_by_depth = nodes
 
 
-def run_freeing_dead_tensors(fn, inputs, operation_fn, call_fn=None):
+def run_freeing_dead_tensors(fn, inputs, operation_fn=lambda op: op, call_fn=None):
     """`Function._run_through_graph(inputs, operation_fn)`, the walk a
     Functional's `call` runs, but each intermediate tensor is dropped once
     the last call that reads it has run.
@@ -69,7 +69,9 @@ def run_freeing_dead_tensors(fn, inputs, operation_fn, call_fn=None):
     next layer had run: a single segment over a 32 x Dense(1024) chain
     peaked at +33 MiB, its whole interior, in its forward pass. The calls
     run in Keras's order, with the same arguments: results are the same.
-    Symbolic walks (`call_fn`) go to Keras's own.
+    Symbolic walks (`call_fn`) go to Keras's own. Keras 3.15's
+    `Functional.call` passes an `operation_fn` that injects `training`;
+    3.16's passes none (the call context carries it).
     """
     if call_fn is not None:
         return type(fn)._run_through_graph(fn, inputs, operation_fn=operation_fn, call_fn=call_fn)
@@ -182,14 +184,92 @@ def set_global_attribute(name, value):
     global_state.set_global_attribute(name, value)
 
 
-def backend_module():
-    """`keras.src.backend`: stateless scopes (`in_stateless_scope`,
-    `get_stateless_scope`) and masks (`get_keras_mask`, `set_keras_mask`).
-    Public alternatives: `keras.StatelessScope` to open a scope (not to
-    find the enclosing one); none for masks."""
-    from keras.src import backend
+def get_keras_mask(x):
+    """The mask Keras attached to a tensor (`_keras_mask`), or None.
+    Public alternative: none (masks travel as a private attribute)."""
+    from keras.src.backend.common import masking
 
-    return backend
+    return masking.get_keras_mask(x)
+
+
+def set_keras_mask(x, mask):
+    """Attaches `mask` to `x` as Keras's masking layers do."""
+    from keras.src.backend.common import masking
+
+    masking.set_keras_mask(x, mask)
+
+
+def enclosing_stateless_scope():
+    """The `StatelessScope` a call runs in (JAX's trainer runs whole steps
+    in one), or None. Public alternative: `keras.StatelessScope` opens a
+    scope; nothing finds the enclosing one."""
+    from keras.src.backend.common import stateless_scope
+
+    return stateless_scope.get_stateless_scope() if stateless_scope.in_stateless_scope() else None
+
+
+def takes_call_context_arg(layer, name):
+    """Whether `layer`'s call takes the call-context argument `name`
+    (`Layer._call_context_args`: "training", and any a layer registers),
+    which an enclosing call passes on to it."""
+    return name in getattr(layer, "_call_context_args", ())
+
+
+def recorded_training_wins():
+    """How Keras resolves `training=` for a call recorded in a functional
+    graph with an explicit `training=` of its own, when the model runs
+    with another one. Keras up to 3.15: the model's value wins
+    (`Functional.call` injects it into every call through `operation_fn`);
+    from 3.16 (keras-team/keras PR 23364): the recorded value wins, and
+    calls recorded without one inherit the enclosing call's. Read from
+    `Functional.call`'s code: whether it refers to `operation_fn`."""
+    return "operation_fn" not in functional_class().call.__code__.co_names
+
+
+def resolve_training(enclosing, recorded):
+    """The `training=` a call recorded with `recorded` (None: not given)
+    runs with inside nested calls that passed `enclosing` explicitly (None:
+    none did), as the running Keras resolves it."""
+    if recorded_training_wins():
+        return recorded if recorded is not None else enclosing
+    return enclosing if enclosing is not None else recorded
+
+
+def keep_input_dtypes(layer):
+    """Makes `layer.__call__` pass its inputs on as they are, without
+    casting them to its compute dtype (`Layer._convert_input_args`)."""
+    layer._convert_input_args = False
+
+
+def is_clone_operation_fn(operation_fn):
+    """Whether `operation_fn`, passed to `Functional._run_through_graph`,
+    is `keras.models.clone_model`'s: it returns a clone of each layer
+    rather than calling it. Public alternative: none."""
+    from keras.src.models import cloning
+
+    return getattr(operation_fn, "__module__", None) == cloning.__name__ and getattr(
+        operation_fn, "__qualname__", ""
+    ).startswith("_clone_functional_model.")
+
+
+def hub_class(module, name):
+    """The class `name` of keras_hub's private module `module` (a path
+    under `keras_hub.src.`), or None in a keras_hub version without it.
+    Public alternative: `keras_hub.layers` exports some, not all."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"keras_hub.src.{module}"), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def hub_model_modules():
+    """(name, module) of every keras_hub model module loaded so far
+    (`keras_hub.src.models.*`), where its attention layers are defined."""
+    import sys
+
+    return [(name, module) for name, module in list(sys.modules.items()) if name.startswith("keras_hub.src.models.")]
 
 
 def saving_modules():

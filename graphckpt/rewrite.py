@@ -39,7 +39,7 @@ class OutputName(keras.layers.Layer):
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         self.supports_masking = True
-        self._convert_input_args = False  # no cast to this layer's policy
+        keras_compat.keep_input_dtypes(self)  # no cast to this layer's policy
         self.built = True
 
     def call(self, inputs):
@@ -58,9 +58,10 @@ def _replay(graph, nodes, values, calls):
         node = data["node"]
         by_id = {id(t): values[k] for t, k in zip(node.input_tensors, data["in_keys"])}
         args, kwargs = node.arguments.fill_in(by_id)
-        if data["training"] is not None and "training" in getattr(node.operation, "_call_context_args", ()):
-            # What the enclosing nested model's call passed on to this call.
-            kwargs["training"] = data["training"]
+        if data["training"] is not None and keras_compat.takes_call_context_arg(node.operation, "training"):
+            # What the enclosing nested model's call passed on to this call,
+            # resolved against the call's own as Keras resolves them.
+            kwargs["training"] = keras_compat.resolve_training(data["training"], kwargs.get("training"))
         try:
             outputs = tree.flatten(node.operation(*args, **kwargs))
         except Exception as e:

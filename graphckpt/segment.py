@@ -117,8 +117,7 @@ def _global_seed_state():
 def _outer_values(variables):
     """Values of `variables` in an enclosing StatelessScope (JAX's trainer
     runs whole steps in one), else None."""
-    keras_backend = keras_compat.backend_module()
-    scope = keras_backend.get_stateless_scope() if keras_backend.in_stateless_scope() else None
+    scope = keras_compat.enclosing_stateless_scope()
     if scope is None:
         return None
     return [scope.get_current_value(v) for v in variables]
@@ -173,7 +172,7 @@ class Segment(keras.layers.Layer):
             )
         self.model = model
         self.supports_masking = True
-        self._convert_input_args = False
+        keras_compat.keep_input_dtypes(self)
         self.built = True
         # Recompute counter; tests use it to prove recompute happens (eager).
         self.forward_calls = 0
@@ -265,7 +264,7 @@ class Segment(keras.layers.Layer):
                 with keras_compat.freeing_dead_tensors(model):
                     outs = model(xs, training=True, mask=masks)
                 outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-                out_masks = [keras_compat.backend_module().get_keras_mask(o) for o in outs]
+                out_masks = [keras_compat.get_keras_mask(o) for o in outs]
                 out_logits = [keras_compat.logits_of(o) for o in outs]
                 updated = [
                     i
@@ -324,7 +323,7 @@ class Segment(keras.layers.Layer):
             keras_compat.attach_logits(outs[i], x)
         rest = rest[len(with_logits) :]
         for i, m in zip(masked, rest[: len(masked)]):
-            keras_compat.backend_module().set_keras_mask(outs[i], ops.cast(m, "bool"))
+            keras_compat.set_keras_mask(outs[i], ops.cast(m, "bool"))
         rest = rest[len(masked) :]
         for i, value in zip(updated, rest[: len(updated)]):
             state[i].assign(value)
