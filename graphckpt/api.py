@@ -55,7 +55,7 @@ def _check_model(model):
                 "layer graph yet. Tip: give it an input shape "
                 "(`keras.Input(shape)` as the first layer, or "
                 "`model.build((None, ...))`), or call it once on data, "
-                "then call `checkpoint_model` again."
+                "then try again."
             )
         return
     if not keras_compat.is_functional(model):

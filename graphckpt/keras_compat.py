@@ -151,6 +151,42 @@ def compute_output_spec(fn, *args, **kwargs):
     return backend.compute_output_spec(fn, *args, **kwargs)
 
 
+def first_batch_spec(x, batch_size):
+    """`KerasTensor`s of the first batch of the arrays `x` (a structure of
+    arrays: the examples `fit` trains on) as Keras's trainer feeds them to
+    a model it builds (`Trainer._symbolic_build`): TensorFlow's trainer
+    goes through its array adapter's `tf.data` dataset, whose batch
+    dimension is None when a partial batch ends the epoch; JAX's and
+    PyTorch's feed numpy batches of `min(batch_size, examples)`. Public
+    alternative: none (each trainer's data adapter decides)."""
+    import keras
+    from keras import tree
+
+    if keras.backend.backend() == "tensorflow":
+        from keras.src.trainers.data_adapters import get_data_adapter
+
+        spec = get_data_adapter(x, batch_size=batch_size, shuffle=False).get_tf_dataset().element_spec
+        specs = tree.flatten(spec)
+    else:
+        specs = [a[:batch_size] for a in tree.flatten(x)]
+    return tree.pack_sequence_as(
+        x, [keras.KerasTensor(tuple(s.shape), dtype=keras.backend.standardize_dtype(s.dtype)) for s in specs]
+    )
+
+
+def norms_keep_centered_input():
+    """Whether Keras's layer and group normalization keep an input-sized
+    centered tensor for their gradient: from Keras 3.16 they compute
+    `(x - mean) * inv` (3.15: `x * inv + (beta - mean * inv)`, which keeps
+    none), except where a backend has a fused op (PyTorch's
+    `layer_normalization`, used for layer normalization). Read from the
+    version: the formula is inside a private function."""
+    import keras
+
+    major, minor = (int(p) for p in keras.version().split(".")[:2])
+    return (major, minor) >= (3, 16) and keras.backend.backend() != "torch"
+
+
 def compile_config(model):
     """The config `compile` recorded (`Model._compile_config`), or None."""
     return getattr(model, "_compile_config", None)
@@ -209,10 +245,12 @@ def enclosing_stateless_scope():
 
 
 def takes_call_context_arg(layer, name):
-    """Whether `layer`'s call takes the call-context argument `name`
-    (`Layer._call_context_args`: "training", and any a layer registers),
-    which an enclosing call passes on to it."""
-    return name in getattr(layer, "_call_context_args", ())
+    """Whether `layer`'s `call` takes the call-context argument `name`
+    ("training", or one a layer registers) that enclosing calls pass on
+    (`Layer._call_has_context_arg`). Passing it to a layer whose `call`
+    ignores it is not harmless: Keras records an explicit value in the
+    call context, which later calls of the same model call then inherit."""
+    return bool(getattr(layer, "_call_has_context_arg", {}).get(name, False))
 
 
 def recorded_training_wins():

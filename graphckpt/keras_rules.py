@@ -14,6 +14,7 @@ import math
 
 import keras
 
+from graphckpt import keras_compat
 from graphckpt.rules import (
     SAVES_INPUT,
     SAVES_OUTPUT,
@@ -183,10 +184,23 @@ def _batch_norm(layer, ins, outs):
 
 def _norm_statistics(layer, ins, outs):
     """Group and unit normalization: the input and its statistics, at most
-    one value per position (TensorFlow's gradient recomputes the rest)."""
+    one value per position (TensorFlow's gradient recomputes the rest);
+    where Keras centers before scaling, group normalization keeps the
+    centered input too."""
     out_elems = sum(elems(o) for o in outs)
     stats = out_elems / (outs[0].shape[-1] or 1) * itemsize(outs[0]) if outs else 0
+    if isinstance(layer, keras.layers.GroupNormalization) and keras_compat.norms_keep_centered_input():
+        stats += sum(o.nbytes for o in outs)
     return LayerRule(all_indices(ins), frozenset(), stats, 6.0 * out_elems, name="norm statistics")
+
+
+def _layer_norm(layer, ins, outs):
+    """`layer_norm_rule`, plus the centered input where Keras computes
+    `(x - mean) * inv` (see `keras_compat.norms_keep_centered_input`)."""
+    rule = layer_norm_rule(layer, ins, outs)
+    if not keras_compat.norms_keep_centered_input():
+        return rule
+    return dataclasses.replace(rule, internal=rule.internal + sum(o.nbytes for o in outs))
 
 
 def _saves_output(layer, ins, outs):
@@ -264,7 +278,8 @@ _KERAS_RULES = {
     _gaussian_dropout: (("GaussianDropout",), False),
     _average: (("Average",), False),
     _batch_norm: (("BatchNormalization",), False),
-    layer_norm_rule: (("LayerNormalization", "RMSNormalization"), False),
+    _layer_norm: (("LayerNormalization",), False),
+    layer_norm_rule: (("RMSNormalization",), False),
     _norm_statistics: (("GroupNormalization", "UnitNormalization"), False),
     _saves_output: (("ReLU", "ELU", "Softmax"), False),
     _activation_layer: (("Activation",), False),

@@ -3,6 +3,7 @@ transfer-learning pattern, issue 12): flattened, cut inside, exact."""
 
 import keras
 import numpy as np
+import pytest
 
 import graphckpt
 from graphckpt.segment import Segment
@@ -62,3 +63,32 @@ def test_checkpoint_model_names_a_nested_model_it_cannot_cut_into():
     with pytest.warns(UserWarning, match=r"'scaled' \(its class Scaled has a `call` of its own\)"):
         ck = graphckpt.checkpoint_model(model, segments=2)
     compare_step(model, ck, np.random.default_rng(0).normal(size=(4, 8)).astype("float32"))
+
+
+@pytest.mark.backends
+def test_a_nested_call_with_its_own_training_argument_runs_as_keras_runs_it():
+    """`inner(x, training=False)` holding a BatchNormalization recorded
+    without `training=` and a Dropout recorded with `training=True`: which
+    value each call runs with is the running Keras's rule (up to 3.15, the
+    model's `training=True` wins everywhere; from 3.16, keras PR 23364, the
+    recorded values win: the BatchNormalization runs in inference, the
+    Dropout in training). Cut inside `inner`, the checkpointed model must
+    run each call as the original does: statistics and masks equal."""
+    keras.utils.set_random_seed(0)
+    i = keras.Input((8,))
+    h = keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(8, activation="tanh")(i))
+    h = keras.layers.Dropout(0.5, seed=1, name="drop")(keras.layers.Dense(8, activation="tanh")(h), training=True)
+    inner = keras.Model(i, keras.layers.Dense(8, activation="tanh")(h), name="inner")
+    inp = keras.Input((8,))
+    x = inner(keras.layers.Dense(8, activation="tanh")(inp), training=False)
+    model = keras.Model(inp, keras.layers.Dense(2)(x))
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    segments = [layer for layer in ck.layers if isinstance(layer, Segment)]
+    assert any(layer.name == "bn" for s in segments for layer in s.model.layers)  # cut inside `inner`
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    compare_step(model, ck, x)  # moving statistics and Dropout masks included
+    # Recomputed before the nested call. (After it, Keras 3.16.dev's call
+    # context leaks `inner`'s training=False to every later call of the
+    # model, segments included, which then run as they are: see
+    # docs/limitations.md.)
+    assert segments[0].forward_calls >= 2
