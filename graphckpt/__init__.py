@@ -19,6 +19,8 @@ from graphckpt.errors import (
     InvalidArgumentTypeError,
     NotAModelError,
     UnsupportedModelError,
+    WeightsFileError,
+    WeightsFileNotFoundError,
 )
 
 __version__ = "0.1.0"
@@ -49,6 +51,8 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
     "InfeasibleBudgetError",
+    "WeightsFileError",
+    "WeightsFileNotFoundError",
 ]
 
 # Names whose modules import no Keras.

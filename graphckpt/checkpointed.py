@@ -267,8 +267,14 @@ class CheckpointedModel(keras.Model):
         changes nothing.
 
         Raises:
-            graphckpt.InvalidArgumentError: the file does not fit; the
-                model's variables, optimizer and metrics are unchanged.
+            graphckpt.InvalidArgumentError: the file does not fit (a
+                `ValueError`, as Keras raises).
+            graphckpt.WeightsFileError: the file could not be read (an
+                `OSError`, as Keras raises, so `BackupAndRestore` falls
+                back to its previous backup); `WeightsFileNotFoundError`
+                (a `FileNotFoundError`) when it does not exist.
+            In every case the model's variables, optimizer and metrics are
+            unchanged.
         """
         keras_load = super().load_weights
         weights.load_weights(self, filepath, keras_load, skip_mismatch=skip_mismatch, **kwargs)

@@ -12,6 +12,8 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
     "InfeasibleBudgetError",
+    "WeightsFileError",
+    "WeightsFileNotFoundError",
 ]
 
 
@@ -37,3 +39,13 @@ class InvalidArgumentTypeError(GraphckptError, TypeError):
 
 class InfeasibleBudgetError(InvalidArgumentError):
     """A memory budget below what any plan can reach."""
+
+
+class WeightsFileError(GraphckptError, OSError):
+    """A weights file that could not be read (unreadable or corrupt): an
+    `OSError`, as Keras raises for the plain model, so callbacks that fall
+    back on `except OSError` (`BackupAndRestore`) do so here too."""
+
+
+class WeightsFileNotFoundError(WeightsFileError, FileNotFoundError):
+    """A weights file that does not exist (a `FileNotFoundError`, as Keras's)."""

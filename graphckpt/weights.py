@@ -222,8 +222,12 @@ def load_weights(model, filepath, keras_load, skip_mismatch=False, **kwargs):
         skip_mismatch, **kwargs: as for `keras.Model.load_weights`.
 
     Raises:
-        graphckpt.InvalidArgumentError: the file does not fit `model`; its
-            variables, optimizer and metrics are as before the call.
+        graphckpt.InvalidArgumentError: the file does not fit `model`.
+        graphckpt.WeightsFileError: the file could not be read (an
+            `OSError`, as Keras raises; `WeightsFileNotFoundError`, a
+            `FileNotFoundError`, when it does not exist).
+        In every case the model's variables, optimizer and metrics are as
+        before the call.
     """
     variables = _variables_to_restore(model)
     before = _snapshot(variables)
@@ -238,7 +242,13 @@ def load_weights(model, filepath, keras_load, skip_mismatch=False, **kwargs):
         if isinstance(e, errors.GraphckptError):
             raise
         source = model._graphckpt_recipe.source
-        raise errors.InvalidArgumentError(
+        # The error Keras raises for the plain model, with graphckpt's message.
+        kind = errors.InvalidArgumentError
+        if isinstance(e, FileNotFoundError):
+            kind = errors.WeightsFileNotFoundError
+        elif isinstance(e, OSError):
+            kind = errors.WeightsFileError
+        raise kind(
             f"Could not load weights from '{filepath}' into checkpointed model '{model.name}': "
             f"{type(e).__name__}: {e} Nothing was changed: the model's variables and its "
             f"optimizer's are as they were. Expected a weights file of its source model "

@@ -363,3 +363,47 @@ def test_a_checkpointed_model_still_saves_and_loads_whole(tmp_path):
         mine, source = getattr(loaded, attribute), getattr(graphckpt.uncheckpoint(loaded), attribute)
         assert [id(v) for v in mine] == [id(v) for v in source], attribute
     assert_values_equal(loaded.get_weights(), graphckpt.uncheckpoint(loaded).get_weights())
+
+
+@pytest.mark.backends
+def test_weights_file_errors_have_the_types_keras_raises_for_the_plain_model(tmp_path):
+    """What `load_weights` raises for a missing, a corrupt and a mismatched
+    file is an instance of what Keras raises for the plain model (callbacks
+    catch `OSError`), and changes nothing."""
+    model = _fresh()
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    model.save_weights(tmp_path / "good.weights.h5")
+    (tmp_path / "corrupt.weights.h5").write_bytes((tmp_path / "good.weights.h5").read_bytes()[:500])
+    keras.Sequential([keras.Input((8,)), layers.Dense(3)]).save_weights(tmp_path / "other.weights.h5")
+    before = values(ck)
+    for name in ("missing.weights.h5", "corrupt.weights.h5", "other.weights.h5", "missing.keras"):
+        with pytest.raises(Exception) as plain_error:
+            _fresh().load_weights(tmp_path / name)
+        with pytest.raises(graphckpt.GraphckptError) as error:
+            ck.load_weights(tmp_path / name)
+        assert isinstance(error.value, type(plain_error.value)), (name, plain_error.value, error.value)
+        assert name in str(error.value) and "Nothing was changed" in str(error.value)
+        assert_values_equal(values(ck), before)
+
+
+@pytest.mark.backends
+def test_backup_and_restore_falls_back_from_a_corrupt_backup_of_a_checkpointed_model(tmp_path):
+    """`BackupAndRestore` reloads its previous backup when the latest one
+    cannot be read (`except OSError`): a checkpointed model resumes as the
+    plain model does."""
+    runs = []
+    for checkpointed in (False, True):
+        model = _fresh()
+        if checkpointed:
+            model = graphckpt.checkpoint_model(model, segments=3)
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        backup = tmp_path / f"backup{len(runs)}"
+        with pytest.raises(RuntimeError, match="interrupted"):
+            _fit(model, [keras.callbacks.BackupAndRestore(backup, double_checkpoint=True), _StopAt(2)])
+        latest = backup / "latest.weights.h5"
+        assert (backup / "latest.weights.h5.bkp").exists()
+        latest.write_bytes(latest.read_bytes()[:500])  # a crash mid-write
+        _fit(model, [keras.callbacks.BackupAndRestore(backup, double_checkpoint=True)])  # resumes from the previous one
+        runs.append(values(model))
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
