@@ -1,18 +1,14 @@
-"""Every use graphckpt makes of Keras's (and TensorFlow's) private API.
+"""Every use graphckpt makes of Keras's (and keras_hub's, TensorFlow's)
+private API: the only module that reads it, each function saying what it
+reads and why no public way serves. Version differences live here too.
+Tested against the oldest and newest Keras of pyproject.toml's range and
+keras-nightly (`make test`). Keras is imported lazily.
 
-Keras has no public API for walking or rewriting a functional graph, so
-graphckpt reads some internals; this module is the only place that does,
-each function saying what it reads and the public alternative where one
-exists. The tested versions are the range in pyproject.toml (`keras`), and
-`make test` runs the backend tests against the oldest and newest of it.
-Keras is imported lazily: `import graphckpt` stays cheap.
-
-Two private Keras methods are overridden where graphckpt's classes are
-defined, since an override cannot live here: `Functional._run_through_graph`
-(`CheckpointedModel`, so that `keras.models.clone_model` clones through the
-plan) and `KerasSaveable._obj_type` (`graphckpt.weights`, the saved kind of
-a checkpointed model's weights file). `tests/test_structure.py` checks that
-no other module reads a private Keras name.
+Two private methods are overridden where graphckpt's classes are defined,
+since an override cannot live here: `Functional._run_through_graph`
+(`CheckpointedModel`: `clone_model` clones through the plan) and
+`KerasSaveable._obj_type` (`graphckpt.weights`). `tests/test_structure.py`
+checks that no other module reads a private name.
 """
 
 import contextlib
@@ -34,12 +30,13 @@ def is_functional(model):
 
 def sequential_functional(model):
     """The Functional a built Sequential keeps its graph in
-    (`Sequential._functional`)."""
+    (`Sequential._functional`). No public way: `model.inputs`/`outputs` give tensors, not nodes."""
     return model._functional
 
 
 def nodes_by_depth(fn):
-    """`Functional._nodes_by_depth`: depth -> nodes, depth 0 at the outputs."""
+    """`Functional._nodes_by_depth`: depth -> nodes, depth 0 at the outputs.
+    No public walk of a model's calls."""
     return fn._nodes_by_depth
 
 
@@ -52,7 +49,7 @@ def nodes_of(fn):
 
 def set_nodes_by_depth(fn, nodes):
     """Replaces a Functional's node order (graphckpt's rewrite fixes the
-    order in which a rewritten model runs its calls)."""
+    order in which a rewritten model runs its calls). No public way."""
     fn._nodes_by_depth = nodes
 
 
@@ -61,17 +58,14 @@ def run_freeing_dead_tensors(fn, inputs, operation_fn=lambda op: op, call_fn=Non
     Functional's `call` runs, but each intermediate tensor is dropped once
     the last call that reads it has run.
 
-    Keras's own walk keeps every intermediate in its `tensor_dict` until the
-    call returns. In a plain training step that costs nothing: the backward
-    pass keeps them anyway. In a recomputed segment's forward pass, which
-    keeps nothing for backward, it held the whole segment at once where an
-    eager backend (PyTorch) would free each layer's input as soon as the
-    next layer had run: a single segment over a 32 x Dense(1024) chain
-    peaked at +33 MiB, its whole interior, in its forward pass. The calls
-    run in Keras's order, with the same arguments: results are the same.
-    Symbolic walks (`call_fn`) go to Keras's own. Keras 3.15's
-    `Functional.call` passes an `operation_fn` that injects `training`;
-    3.16's passes none (the call context carries it).
+    Keras's own walk keeps every intermediate until the call returns: free
+    in a plain training step, whose backward pass keeps them anyway, but a
+    recomputed segment's forward pass keeps nothing for backward, and would
+    hold its whole interior at once. The calls run in Keras's order, with
+    the same arguments: results are the same. Symbolic walks (`call_fn`) go
+    to Keras's own. Keras 3.15's `Functional.call` passes an `operation_fn`
+    that injects `training`; 3.16's passes none (the call context carries
+    it). No public way: Keras has no hook into a model's graph walk.
     """
     if call_fn is not None:
         return type(fn)._run_through_graph(fn, inputs, operation_fn=operation_fn, call_fn=call_fn)
@@ -121,7 +115,7 @@ def freeing_dead_tensors(fn):
 
 def inbound_nodes(layer):
     """The calls of a layer, in order (`Layer._inbound_nodes`); a call's
-    index in it is Keras's node index."""
+    index in it is Keras's node index. No public way: `layer.input` gives one call's tensors."""
     return layer._inbound_nodes
 
 
@@ -133,19 +127,20 @@ def call_counts(layer):
 def truncate_calls(layer, n_in, n_out):
     """Forgets the calls recorded on `layer` after `call_counts` gave
     (n_in, n_out): symbolic calls made while building a rewrite must not
-    stay on the user's layers."""
+    stay on the user's layers. No public way: Keras never forgets a call."""
     del layer._inbound_nodes[n_in:]
     del layer._outbound_nodes[n_out:]
 
 
 def keras_history(tensor):
     """(operation, node index, tensor index) of a symbolic tensor
-    (`KerasTensor._keras_history`)."""
+    (`KerasTensor._keras_history`). No public way: it is how Keras links a tensor to its call."""
     return tensor._keras_history
 
 
 def compute_output_spec(fn, *args, **kwargs):
-    """`keras.src.backend.compute_output_spec`: runs `fn` symbolically."""
+    """`keras.src.backend.compute_output_spec`: runs `fn` symbolically.
+    Public: `Layer.compute_output_spec`, per layer only."""
     from keras.src import backend
 
     return backend.compute_output_spec(fn, *args, **kwargs)
@@ -188,12 +183,13 @@ def norms_keep_centered_input():
 
 
 def compile_config(model):
-    """The config `compile` recorded (`Model._compile_config`), or None."""
+    """The config `compile` recorded (`Model._compile_config`), or None.
+    Public: `get_compile_config`, serialized."""
     return getattr(model, "_compile_config", None)
 
 
 def clear_losses(layer):
-    """`Layer._clear_losses()`: drops the losses a call added."""
+    """`Layer._clear_losses()`: drops the losses a call added. No public way."""
     layer._clear_losses()
 
 
@@ -208,13 +204,14 @@ def clone_function():
 
 def global_attribute(name):
     """A Keras global (`global_state`): "autocast_scope",
-    "global_seed_generator"."""
+    "global_seed_generator". No public way."""
     from keras.src.backend.common import global_state
 
     return global_state.get_global_attribute(name)
 
 
 def set_global_attribute(name, value):
+    """Sets a Keras global (see `global_attribute`)."""
     from keras.src.backend.common import global_state
 
     global_state.set_global_attribute(name, value)
@@ -275,7 +272,8 @@ def resolve_training(enclosing, recorded):
 
 def keep_input_dtypes(layer):
     """Makes `layer.__call__` pass its inputs on as they are, without
-    casting them to its compute dtype (`Layer._convert_input_args`)."""
+    casting them to its compute dtype (`Layer._convert_input_args`).
+    Public: `autocast=False`, for variables only."""
     layer._convert_input_args = False
 
 
@@ -304,7 +302,7 @@ def hub_class(module, name):
 
 def hub_model_modules():
     """(name, module) of every keras_hub model module loaded so far
-    (`keras_hub.src.models.*`), where its attention layers are defined."""
+    (`keras_hub.src.models.*`), where its attention layers are defined. Not exported."""
     import sys
 
     return [(name, module) for name, module in list(sys.modules.items()) if name.startswith("keras_hub.src.models.")]
@@ -312,7 +310,7 @@ def hub_model_modules():
 
 def saving_modules():
     """(`saving_lib`, `KerasSaveable`): reading and writing weights files
-    exactly as Keras does."""
+    exactly as Keras does. Public: `keras.saving`, which takes no stand-in object."""
     from keras.src.saving import saving_lib
     from keras.src.saving.keras_saveable import KerasSaveable
 
@@ -320,7 +318,7 @@ def saving_modules():
 
 
 def legacy_h5_format():
-    """Keras's reader of legacy `.h5` weights files (imported when one is read)."""
+    """Keras's reader of legacy `.h5` weights files (imported when one is read). No public way."""
     from keras.src.legacy.saving import legacy_h5_format as module
 
     return module
@@ -357,7 +355,7 @@ def untracked_variables(model):
     `states` (`RNN._create_state_variables` makes them under
     `no_automatic_dependency_tracking`), which its `call` reads and then
     assigns. Looked for in each layer's attributes, and in lists and tuples
-    there."""
+    there. No public way: `model.variables` omits them."""
     import keras
 
     known = {id(v) for v in model.variables}
@@ -382,7 +380,7 @@ def draws_from_torch_global_generator(layer):
     without a seed (`Layer._seed_generators`, `SeedGenerator._initial_seed`):
     on PyTorch, Keras's `dropout` with such a generator draws from torch's
     global generator (keras/src/backend/torch/random.py), one state that
-    every such call advances in turn."""
+    every such call advances in turn. No public way."""
     return any(
         generator._initial_seed is None
         for sub in sublayers(layer)
@@ -391,7 +389,8 @@ def draws_from_torch_global_generator(layer):
 
 
 def has_sublayers(layer):
-    """Whether `layer` tracks layers of its own (`Layer._layers`)."""
+    """Whether `layer` tracks layers of its own (`Layer._layers`).
+    Public: `Model.layers`, models only."""
     return bool(layer._layers)
 
 
@@ -404,14 +403,14 @@ def set_dtype_policy(layer, policy):
 
 def own_losses(layer):
     """The losses `layer` itself added in its last call
-    (`Layer._get_own_losses`), not its sublayers'."""
+    (`Layer._get_own_losses`), not its sublayers'. Public: `layer.losses`, its sublayers' too."""
     return layer._get_own_losses()
 
 
 def logits_of(tensor):
     """The logits Keras's softmax and sigmoid attach to their output
     (`_keras_logits`), from which crossentropy losses compute stably, or
-    None."""
+    None. No public way."""
     return getattr(tensor, "_keras_logits", None)
 
 
@@ -426,7 +425,7 @@ def attach_logits(tensor, logits):
 
 def walk_saveable(obj):
     """`saving_lib._walk_saveable`: the (name, value) pairs Keras saves
-    for `obj` besides its weights."""
+    for `obj` besides its weights. No public way."""
     saving_lib, _ = saving_modules()
     return saving_lib._walk_saveable(obj)
 
@@ -439,7 +438,8 @@ def saveable_type(obj):
 
 def jax_state(model):
     """`Model._get_jax_state`: every variable value the JAX trainer passes
-    to its compiled `train_step`, as that trainer collects them."""
+    to its compiled `train_step`, as that trainer collects them.
+    No public way: the trainer's own collection."""
     return model._get_jax_state(
         trainable_variables=True,
         non_trainable_variables=True,

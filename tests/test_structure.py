@@ -93,20 +93,58 @@ def test_private_uses_are_found(tmp_path):
 # Private Keras names read outside keras_compat: graphckpt's own marks on
 # Keras objects, and the two overrides keras_compat's docstring names.
 _OWN_MARKS = ("_graphckpt",)
-_OVERRIDES = {"super()._run_through_graph"}
-_PRIVATE_MODULES = ("keras.src", "tensorflow.python", "jax._src", "torch._")
+_OVERRIDES = {"super()._run_through_graph", "def _run_through_graph", "def _obj_type"}
+# Private names of other libraries, read with a string (importlib's).
+_OTHER_PRIVATE = {"_initializing"}
+_PRIVATE_MODULES = ("keras.src", "keras_hub.src", "tensorflow.python", "jax._src", "torch._")
 
 
-def _private_keras_uses(path):
+def _keras_private_names():
+    """The private attributes and methods of Keras's layers and models (on
+    the classes and on built instances), which `self._x` in a subclass of
+    them reads or overrides."""
+    import keras
+
+    inp = keras.Input((2,))
+    model = keras.Model(inp, keras.layers.Dense(2)(inp))
+    saveable = type(model).__mro__[[c.__name__ for c in type(model).__mro__].index("KerasSaveable")]
+    names = set()
+    for obj in (keras.layers.Layer, keras.Model, type(model), saveable, model, model.layers[1]):
+        names |= {n for n in dir(obj) if n.startswith("_") and not n.startswith("__")}
+        names |= {n for n in vars(obj) if n.startswith("_") and not n.startswith("__")}
+    return names
+
+
+def _private_keras_uses(path, keras_names=frozenset()):
+    """Private Keras (or keras_hub, TensorFlow, JAX, torch) names that
+    `path` reads: `x._y` on anything but `self`/`cls`; `self._y` and `def
+    _y` where `_y` is one of Keras's own (`keras_names`); a private name
+    read with `getattr`/`hasattr`/`setattr`; imports of private modules and
+    their paths spelled in strings."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             owner = node.value
-            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls") and node.attr not in keras_names:
                 continue  # a class's own attributes
             if node.attr.startswith(_OWN_MARKS) or ast.unparse(node) in _OVERRIDES:
                 continue
             found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name in keras_names:
+                    if f"def {item.name}" not in _OVERRIDES:
+                        found.append(f"{item.lineno}: def {item.name}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1:
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    private = name.value.startswith("_") and not name.value.startswith(("__",) + _OWN_MARKS)
+                    if private and name.value not in _OTHER_PRIVATE:
+                        found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value.startswith(_PRIVATE_MODULES):
+                found.append(f"{node.lineno}: '{node.value}'")
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(_PRIVATE_MODULES):
             found.append(f"{node.lineno}: from {node.module}")
         elif isinstance(node, ast.Import):
@@ -115,13 +153,45 @@ def _private_keras_uses(path):
 
 
 def test_only_keras_compat_reads_private_keras_names():
+    names = _keras_private_names()
     uses = {
-        str(p.relative_to(PACKAGE.parent)): _private_keras_uses(p)
+        str(p.relative_to(PACKAGE.parent)): _private_keras_uses(p, names)
         for p in PACKAGE.rglob("*.py")
         if p.name != "keras_compat.py"
     }
     assert {p: u for p, u in uses.items() if u} == {}
-    assert _private_keras_uses(PACKAGE / "keras_compat.py")  # the check finds them where they are
+    assert _private_keras_uses(PACKAGE / "keras_compat.py", names)  # the check finds them where they are
+
+
+def test_planted_private_keras_uses_are_found(tmp_path):
+    """Each way of reaching Keras's internals, planted in a module, is found."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import keras_hub.src.models\n"
+        "from keras.src import backend\n"
+        "class Block(keras.layers.Layer):\n"
+        "    def __init__(self):\n"
+        "        self._convert_input_args = False\n"
+        "        self._mine = 1\n"
+        "    def _maybe_build(self, spec):\n"
+        "        pass\n"
+        "x = layer._inbound_nodes\n"
+        "y = getattr(layer, '_call_context_args', ())\n"
+        "z = getattr(layer, '_graphckpt_recipe', None)\n"
+        "m = importlib.import_module('keras_hub.src.layers')\n"
+    )
+    found = [use.split(": ", 1)[1] for use in _private_keras_uses(probe, _keras_private_names())]
+    assert sorted(found) == sorted(
+        [
+            "import keras_hub.src.models",
+            "from keras.src",
+            "self._convert_input_args",
+            "def _maybe_build",
+            "layer._inbound_nodes",
+            "getattr(layer, '_call_context_args', ())",
+            "'keras_hub.src.layers'",
+        ]
+    )
 
 
 def _graphckpt_imports(path):
