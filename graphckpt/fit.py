@@ -57,10 +57,14 @@ class _Twin:
 
 
 class _Cache:
-    """Per-model cache: plan key -> `_Twin`. A plain object, so Keras's
-    tracking and weight saving ignore it; it dies with the model."""
+    """Per-model cache. `plans`: planner arguments (`_arguments_key`) ->
+    the `_Twin` they planned, or a string saying why there is nothing to
+    recompute; `twins`: plan (`_plan_key`) -> `_Twin`, shared by arguments
+    that plan alike. A plain object, so Keras's tracking and weight saving
+    ignore it; it dies with the model."""
 
     def __init__(self):
+        self.plans = {}
         self.twins = {}
 
 
@@ -89,18 +93,17 @@ def _check_flag(gradient_checkpointing, budget):
 
 
 def _with_data_shapes(planner_kwargs, original, model, args, kwargs):
-    """Plans for the data `fit` trains on: the shapes of its first batch
-    (`input_shape=`), else, for a byte budget, the batch size `fit` uses."""
+    """Plans for the data `fit` trains on: `(with_shapes, without)`, the
+    planner arguments with the shapes of its first batch (`input_shape=`;
+    not yet checked against the model), and those to plan with if they
+    don't fit it: for a byte budget, the batch size `fit` uses."""
     bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
     x, batch_size = bound.get("x"), bound.get("batch_size")
     if not _is_batched(x) and batch_size is None:
         batch_size = 32  # what `fit` uses for arrays
-    shapes = _checked(model, _data_shapes(x, batch_size, bound.get("validation_split") or 0.0))
-    if shapes is not None:
-        return dict(planner_kwargs, input_shape=shapes)
-    if "budget" not in planner_kwargs:
-        return planner_kwargs
-    return dict(planner_kwargs, batch_size=batch_size)
+    without = dict(planner_kwargs, batch_size=batch_size) if "budget" in planner_kwargs else planner_kwargs
+    shapes = _data_shapes(x, batch_size, bound.get("validation_split") or 0.0)
+    return (without if shapes is None else dict(planner_kwargs, input_shape=shapes)), without
 
 
 def _shape(dims):
@@ -168,7 +171,7 @@ def _checked(model, shapes):
         warnings.warn(
             f"Model '{model.name}': gradient checkpointing plans without the shapes of the data "
             f"passed to fit, which don't fit the model's inputs: {e}",
-            stacklevel=4,
+            stacklevel=6,
         )
         return None
     except Exception:  # noqa: BLE001 - not a model graphckpt reads: `plan` says why
@@ -189,31 +192,56 @@ def _plan_key(the_plan):
     return tuple((seg.nodes, getattr(seg, "remat", True), inner(seg)) for seg in the_plan.segments)
 
 
-def _twin_for(model, planner_kwargs):
-    """The cached checkpointed twin of `model` for these planner arguments."""
-    from graphckpt import api
-    from graphckpt.checkpointed import checkpointed_model
-    from graphckpt.graph import build_graph, kept_whole_note
-    from graphckpt.segment import Segment
+def _arguments_key(model, planner_kwargs):
+    """What a plan of `model` depends on besides its graph: the planner
+    arguments (the data's shapes among them), the dtype policy, and which
+    variables train (the estimate counts their gradients)."""
+    arguments = repr(sorted(planner_kwargs.items()))
+    return arguments, model.dtype_policy.name, tuple(v.trainable for v in model.variables)
 
-    the_plan = api.plan(model, **planner_kwargs)  # raises the same errors as checkpoint_model
-    if the_plan.num_layer_calls < 2 or not any(getattr(s, "remat", True) for s in the_plan.segments):
-        return None  # nothing to recompute (`plan` has said why, if a budget)
+
+def _twin_for(model, planner_kwargs, without_shapes=None):
+    """The cached checkpointed twin of `model` for these planner arguments,
+    or None when there is nothing to recompute. Planned once per model and
+    arguments (`_arguments_key`); `without_shapes`: the arguments to plan
+    with instead if the data's shapes don't fit the model (see
+    `_with_data_shapes`)."""
     cache = model.__dict__.get(_CACHE_ATTR)
     if cache is None:
         cache = _Cache()
         object.__setattr__(model, _CACHE_ATTR, cache)
+    key = _arguments_key(model, planner_kwargs)
+    if key not in cache.plans:
+        cache.plans[key] = _plan_twin(model, cache, planner_kwargs, without_shapes)
+    found = cache.plans[key]
+    if isinstance(found, str):
+        warnings.warn(f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{found}", stacklevel=4)
+        return None
+    return found
+
+
+def _plan_twin(model, cache, planner_kwargs, without_shapes):
+    """Plans `model` (one graph build) and makes its twin, or says why there
+    is nothing to recompute (a string, with any nested model kept whole)."""
+    from graphckpt import api
+    from graphckpt.checkpointed import checkpointed_model
+    from graphckpt.graph import kept_whole_note
+    from graphckpt.segment import Segment
+
+    if "input_shape" in planner_kwargs and _checked(model, planner_kwargs["input_shape"]) is None:
+        planner_kwargs = without_shapes if without_shapes is not None else planner_kwargs
+    result = api.planned(model, **planner_kwargs)  # raises the same errors as checkpoint_model
+    result.warn_if_unchanged(model.name, stacklevel=5)
+    the_plan, note = result.plan, kept_whole_note(result.graph)
+    if the_plan.num_layer_calls < 2 or not any(getattr(s, "remat", True) for s in the_plan.segments):
+        return note
     key = _plan_key(the_plan)
-    twin = cache.twins.get(key)
-    if twin is None:
-        graph = build_graph(model)
-        note = kept_whole_note(graph)
+    if key not in cache.twins:
         if note:
-            warnings.warn(f"Model '{model.name}':{note}", stacklevel=4)
-        ck = checkpointed_model(model, graph, the_plan)
-        twin = _Twin(ck, [l for l in ck.layers if isinstance(l, Segment)])
-        cache.twins[key] = twin
-    return twin
+            warnings.warn(f"Model '{model.name}':{note}", stacklevel=5)
+        ck = checkpointed_model(model, result.graph, the_plan)
+        cache.twins[key] = _Twin(ck, [l for l in ck.layers if isinstance(l, Segment)])
+    return cache.twins[key]
 
 
 def _compile_token(model):
@@ -312,14 +340,8 @@ def _build_like_fit(model, original, args, kwargs):
 def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
     _build_like_fit(model, original, args, kwargs)
     _check_own_call(model)
-    twin = _twin_for(model, _with_data_shapes(planner_kwargs, original, model, args, kwargs))
+    twin = _twin_for(model, *_with_data_shapes(planner_kwargs, original, model, args, kwargs))
     if twin is None:
-        from graphckpt.graph import build_graph, kept_whole_note
-
-        note = kept_whole_note(build_graph(model))
-        warnings.warn(
-            f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{note}", stacklevel=3
-        )
         return original(model, *args, **kwargs)
     saved_call = model.__dict__.get("call", _MISSING)
     saved_fn = getattr(model, "train_function", None)

@@ -365,3 +365,24 @@ def test_an_unbuilt_sequential_on_a_generator_is_refused_with_what_to_do(install
     assert "keras.Input(shape)" in message and "model.build(" in message
     assert "checkpoint_model" not in message  # the flag's message, not the function's
     assert not model.built
+
+
+def test_a_flagged_fit_plans_once_per_model_and_data_shapes(installed, monkeypatch):
+    """Three flagged fits on the same model and data plan once; other batch
+    shapes, another flag value, or a frozen layer plan again."""
+    from graphckpt import api
+
+    calls = []
+    planned = api.planned
+    monkeypatch.setattr(api, "planned", lambda *a, **k: calls.append(k) or planned(*a, **k))
+    model = regularized()
+    model.compile(optimizer="sgd", loss="mse")
+    for _ in range(3):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, gradient_checkpointing=True)
+    assert len(calls) == 1 and calls[0]["input_shape"] == (8, 8)
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0, gradient_checkpointing=True)
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0, gradient_checkpointing=2)
+    model.layers[1].trainable = False
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0, gradient_checkpointing=2)
+    assert len(calls) == 4
