@@ -134,3 +134,45 @@ def text_transformer(vocab=50257, dim=256, heads=4, ffn=1024, depth=12, rate=0.1
         h = layers.Dense(dim)(h)
         x = layers.Add()([x, layers.Dropout(rate)(h)])
     return keras.Model(tokens, layers.LayerNormalization()(x), name="text_transformer")
+
+
+class UserTransformerBlock(layers.Layer):
+    """keras.io's text-classification transformer block, a `Layer`
+    subclass: MultiHeadAttention, a Sequential feed-forward, two
+    LayerNormalizations, two Dropouts and `+` in `call`."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim // num_heads, dropout=rate)
+        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs, training=None):
+        attn_output = self.dropout1(self.att(inputs, inputs, training=training), training=training)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.dropout2(self.ffn(out1), training=training)
+        return self.layernorm2(out1 + ffn_output)
+
+
+def user_blocks(seq_len=512, dim=128, heads=4, ffn=256, depth=4, rate=0.1, classes=10):
+    """`depth` `UserTransformerBlock`s on (seq_len, dim) inputs, pooled."""
+    inp = keras.Input((seq_len, dim), name="x")
+    x = inp
+    for _ in range(depth):
+        x = UserTransformerBlock(dim, heads, ffn, rate)(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inp, layers.Dense(classes)(x), name="user_blocks")
+
+
+def vit_tiny(image_size=224, patch_size=16, depth=12, heads=3, dim=192, mlp=768, rate=0.1):
+    """keras_hub's ViT-Tiny backbone (random init): every transformer block
+    runs inside one `ViTEncoder` layer call."""
+    import keras_hub
+
+    return keras_hub.models.ViTBackbone(
+        image_shape=(image_size, image_size, 3), patch_size=patch_size, num_layers=depth, num_heads=heads,
+        hidden_dim=dim, mlp_dim=mlp, dropout_rate=rate, attention_dropout=rate,
+    )

@@ -7,6 +7,7 @@ Arguments are checked here, once, and every failure becomes one
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -152,14 +153,17 @@ def planned(
     batch_size: int | None = None,
     policy: str | Callable | None = None,
     input_shape: InputShape | None = None,
+    open_layers: bool = False,
 ) -> Planned:
     """`plan`, with the graphs the plan was made on: for tools that show a
     plan layer by layer (`graphckpt inspect`). Arguments as in `plan`;
     it warns only of unknown dimensions (see `Planned.warn_if_unchanged`)."""
-    return _planned(model, segments, budget, batch_size, policy, input_shape, stacklevel=3)
+    return _planned(model, segments, budget, batch_size, policy, input_shape, stacklevel=3, open_layers=open_layers)
 
 
-def _planned(model, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None, stacklevel=3):
+def _planned(
+    model, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None, stacklevel=3, open_layers=False
+):
     """`planned`, warning of unknown dimensions at `stacklevel` above its caller."""
     _check_model(model)
     holders = _segment_holders(model)
@@ -172,11 +176,19 @@ def _planned(model, segments="auto", budget=None, batch_size=None, policy=None, 
             "checkpoint the original model (`graphckpt.uncheckpoint` gives "
             "it back), or use the checkpointed one as it is."
         )
-    graph = build_graph(model)
+    graph = build_graph(model, open_layers=open_layers)
+    if open_layers and input_shape is None:
+        # The shapes inside an opened layer are what its trace on the
+        # model's symbolic inputs gave, which can lose a dimension the
+        # layer itself knows (MultiHeadAttention's projections lose the
+        # sequence length): propagate the model's input shapes.
+        input_shape = [tuple(t.shape) for t in functional_of(model).inputs]
     if batch_size is not None:
         check_batch_size(graph, batch_size)  # before comparing it with `input_shape`
     sized, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=stacklevel + 1)
     the_plan, unchanged = choose_plan(sized, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
+    if open_layers:
+        the_plan = dataclasses.replace(the_plan, open_layers=True)
     return Planned(graph, sized, the_plan, unchanged)
 
 
@@ -188,6 +200,7 @@ def plan(
     batch_size: int | None = None,
     policy: str | Callable | None = None,
     input_shape: InputShape | None = None,
+    open_layers: bool = False,
 ) -> Plan:
     """Plans the segments of `model` without rewriting it.
 
@@ -227,6 +240,12 @@ def plan(
             without it, an unknown non-batch dimension counts as 1, with a
             warning. The checkpointed model still takes any shape the
             original does.
+        open_layers: also cut inside composite layers: a layer whose `call`
+            calls only other layers and `keras.ops` (a transformer block
+            written as a `keras.layers.Layer` subclass, Keras's
+            `MultiHeadAttention`) is opened into those calls, where its
+            traced graph computes what it does (`graphckpt.opening`).
+            Experimental; default False.
 
     Returns:
         A `graphckpt.Plan`: plain, immutable data about the segments, with
@@ -242,7 +261,7 @@ def plan(
         >>> p = graphckpt.plan(model, budget=0.3, batch_size=32)
         >>> p.estimated_peak_bytes, p.baseline_peak_bytes
     """
-    result = _planned(model, segments, budget, batch_size, policy, input_shape)
+    result = _planned(model, segments, budget, batch_size, policy, input_shape, open_layers=open_layers)
     result.warn_if_unchanged(model.name, stacklevel=2)
     return result.plan
 
@@ -255,6 +274,7 @@ def checkpoint_model(
     batch_size: int | None = None,
     policy: str | Callable | None = None,
     input_shape: InputShape | None = None,
+    open_layers: bool = False,
 ) -> keras.Model:
     """Returns a copy of `model`'s graph that trains with less memory.
 
@@ -328,7 +348,9 @@ def checkpoint_model(
     """
     _check_model(model)
     _check_no_overrides(model)
-    graph, _, the_plan, unchanged = _planned(model, segments, budget, batch_size, policy, input_shape)
+    graph, _, the_plan, unchanged = _planned(
+        model, segments, budget, batch_size, policy, input_shape, open_layers=open_layers
+    )
     if unchanged is None and not any(s.remat for s in the_plan.segments):
         unchanged = "the plan recomputes no layer call"
     note = kept_whole_note(graph)  # nested models no cut can enter, if any

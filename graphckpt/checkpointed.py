@@ -27,7 +27,7 @@ import keras
 from keras import tree
 
 from graphckpt import errors, keras_compat, weights
-from graphckpt.graph import build_graph, call_ordinals, functional_of, tensor_key
+from graphckpt.graph import build_graph, functional_of, saved_ordinals, tensor_key
 from graphckpt.plan import plan_from_boundaries
 from graphckpt.rewrite import rewrite
 
@@ -48,7 +48,7 @@ def plan_to_config(graph, plan, key_of=None):
 
     `key_of` (optional) maps each layer call of the plan to the call that
     stands for it in `graph`, when `graph` is a copy of the plan's graph."""
-    ordinal = call_ordinals(graph)
+    ordinal = saved_ordinals(graph)
     key_of = key_of or {}
     config = {
         "strategy": plan.strategy,
@@ -71,7 +71,7 @@ def plan_to_config(graph, plan, key_of=None):
 
 def plan_from_config(graph, config):
     """The `Plan` that `plan_to_config` described, over `graph`."""
-    node_of = {ordinal: key for key, ordinal in call_ordinals(graph).items()}
+    node_of = {ordinal: key for key, ordinal in saved_ordinals(graph).items()}
     order, boundaries = [], []
     for seg in config["segments"]:
         boundaries.append(len(order))
@@ -176,6 +176,8 @@ def _clone_for_keras(model, inputs, operation_fn, call_fn):
         graphckpt.UnsupportedModelError: `call_function` added or dropped
             layer calls, so the plan does not fit the clone.
     """
+    if model.plan.open_layers:
+        raise _cannot_clone(model, "its plan cuts inside opened layers, which cloning does not replay yet")
     source, key_of = _clone_source(model, inputs, operation_fn, call_fn)
     graph = build_graph(source)
     config = plan_to_config(graph, model.plan, key_of)
@@ -296,13 +298,13 @@ class CheckpointedModel(keras.Model):
             "name": self.name,
             "trainable": self.trainable,
             "source": keras.saving.serialize_keras_object(source),
-            "plan": plan_to_config(build_graph(source), self.plan),
+            "plan": plan_to_config(build_graph(source, open_layers=self.plan.open_layers), self.plan),
         }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         source = keras.saving.deserialize_keras_object(config["source"], custom_objects=custom_objects)
-        graph = build_graph(source)
+        graph = build_graph(source, open_layers=config["plan"].get("info", {}).get("open_layers", False))
         model = checkpointed_model(source, graph, plan_from_config(graph, config["plan"]))
         model.trainable = config.get("trainable", True)
         return model

@@ -56,6 +56,7 @@ __all__ = [
     "build_graph",
     "call_names",
     "call_ordinals",
+    "saved_ordinals",
     "dependencies",
     "functional_of",
     "kept_whole_note",
@@ -200,18 +201,22 @@ class _Builder:
     """Adds the layer calls of a functional model to a graph, flattening
     nested models' calls (see `graphckpt.nesting.flattenable`)."""
 
-    def __init__(self, keep_whole=frozenset()):
+    def __init__(self, keep_whole=frozenset(), open_layers=False):
         self.graph = nx.DiGraph()
+        self.open_layers = open_layers  # open composite layers (graphckpt.opening)
+        self.not_opened = {}  # path of a composite layer's call left closed -> why
         self.tensors = {}
         self.position = 0
         self.flattened = {}  # id(nested model) -> how many of its calls so far
         self.keep_whole = keep_whole  # ids of nested models not to flatten
         self.whole = {}  # path of a nested model's call kept whole -> why
 
-    def add(self, fn, prefix="", bound=None, training=None, scope=None):
+    def add(self, fn, prefix="", bound=None, training=None, scope=None, opened=None, root=None):
         """Adds `fn`'s calls; `bound` maps `fn`'s input tensors (ids) to the
         graph keys they stand for, `training` is what an enclosing call
-        forces. Returns id(KerasTensor of `fn`) -> graph tensor key."""
+        forces, `opened` / `root` the paths of the innermost and outermost
+        opened layer calls they are inside, if any. Returns id(KerasTensor of `fn`) -> graph tensor
+        key."""
         keys = dict(bound or {})
         nodes = nodes_of(fn)
         consumed = {id(t) for n in nodes for t in n.input_tensors} | {id(t) for t in fn.outputs}
@@ -222,30 +227,53 @@ class _Builder:
                     keys[id(node.outputs[0])] = tensor_key(node.outputs[0])
                 continue
             in_keys = [keys[id(t)] for t in node.input_tensors]
-            if id(node.operation) in self.keep_whole:
-                inner, why = None, "its layers' names clash with other layers of the model"
-            else:
-                inner, why = flattenable(node, consumed)
-            if why is not None:
-                self.whole[prefix + node.operation.name] = why
+            inner, outer, opens = self._inner(node, consumed, prefix)
             if inner is None:
-                out_keys = self._add_node(node, prefix, in_keys, training, scope)
+                out_keys = self._add_node(node, prefix, in_keys, training, scope, opened=opened, root=root)
             else:
                 op = node.operation
                 k = self.flattened.get(id(op), 0)
                 self.flattened[id(op)] = k + 1
                 inner_prefix = f"{prefix}{op.name}{'' if k == 0 else f'@{k}'}/"
-                from keras import tree
-
-                outer = tree.flatten(called_on(node))
                 inner_bound = {id(x): keys[id(t)] for x, t in zip(inner.inputs, outer)}
                 forced = keras_compat.resolve_training(training, node.arguments.kwargs.get("training"))
-                inner_keys = self.add(inner, inner_prefix, inner_bound, forced, op)
+                inner_keys = self.add(
+                    inner,
+                    inner_prefix,
+                    inner_bound,
+                    forced,
+                    op,
+                    inner_prefix if opens else opened,
+                    (root or inner_prefix) if opens else root,
+                )
                 out_keys = [inner_keys[id(x)] for x in inner.outputs]
             keys.update((id(t), k) for t, k in zip(node.outputs, out_keys))
         return keys
 
-    def _add_node(self, node, prefix, in_keys, training, scope=None, kind="layer"):
+    def _inner(self, node, consumed, prefix):
+        """`(Functional, outer tensors, opened)` to flatten in place of
+        `node`'s call (a nested model's graph, or a composite layer's opened
+        one if `opened`, bound to the tensors it was called on), or `(None,
+        None, False)`; records why a nested model stays whole (`whole`) or a
+        composite layer closed (`not_opened`)."""
+        import keras
+        from keras import tree
+
+        from graphckpt import opening
+
+        op = node.operation
+        clash = id(op) in self.keep_whole
+        if isinstance(op, keras.Model) or not self.open_layers:
+            inner, why = (None, _CLASH) if clash else flattenable(node, consumed)
+            if why is not None:
+                self.whole[prefix + op.name] = why
+            return (inner, tree.flatten(called_on(node)), False) if inner is not None else (None, None, False)
+        inner, why = (None, _CLASH) if clash else opening.open_call(node)
+        if why is not None:
+            self.not_opened[prefix + op.name] = why
+        return (inner, list(node.input_tensors), True) if inner is not None else (None, None, False)
+
+    def _add_node(self, node, prefix, in_keys, training, scope=None, kind="layer", opened=None, root=None):
         op = node.operation
         key = (prefix + op.name, keras_compat.inbound_nodes(op).index(node))
         out_keys = [(key[0], key[1], i) for i in range(len(node.outputs))]
@@ -260,6 +288,8 @@ class _Builder:
             out_keys=tuple(out_keys),
             training=training,
             scope=scope,
+            opened=opened,
+            opened_root=root,
         )
         self.position += 1
         for t, k in zip(node.outputs, out_keys):
@@ -274,14 +304,19 @@ class _Builder:
         return out_keys
 
 
+_CLASH = "its layers' names clash with other layers of the model"
+
+
 def _name_clashes(graph):
     """Ids of the innermost flattened models whose layers share a name with
     another layer of the graph. Keras needs the layers of one functional
     model to have distinct names, and a segment may hold both: such models
-    are kept whole."""
+    are kept whole. The calls inside one opened layer's call are replayed
+    in functional models of their own (`graphckpt.rewrite`), so their names
+    need only differ from each other's."""
     by_name = {}
     for _, data in sorted(graph.nodes(data=True), key=lambda item: item[1]["position"]):
-        by_name.setdefault(data["layer"].name, {}).setdefault(id(data["layer"]), data)
+        by_name.setdefault((data.get("opened"), data["layer"].name), {}).setdefault(id(data["layer"]), data)
     clashes = set()
     for layers in by_name.values():
         if len(layers) > 1:
@@ -292,12 +327,16 @@ def _name_clashes(graph):
     return frozenset(clashes)
 
 
-def build_graph(model):
+def build_graph(model, open_layers=False):
     """Builds the layer-call graph of a built functional model.
 
     Args:
         model: A built `keras.Model` made with the functional API, or a built
             `keras.Sequential`.
+        open_layers: also flatten the calls of composite layers (a layer
+            whose `call` calls other layers and `keras.ops`) where
+            `graphckpt.opening.open_call` can; `graph.graph["not_opened"]`
+            says why the others stay one node.
 
     Returns:
         A `networkx.DiGraph`, as described in the module docstring.
@@ -309,7 +348,7 @@ def build_graph(model):
     fn = functional_of(model)
     keep_whole = frozenset()
     while True:
-        builder = _Builder(keep_whole)
+        builder = _Builder(keep_whole, open_layers)
         keys = builder.add(fn)
         clashes = _name_clashes(builder.graph)
         if not clashes:
@@ -322,6 +361,8 @@ def build_graph(model):
     graph.graph["outputs"] = [keys[id(t)] for t in fn.outputs]
     graph.graph["name"] = model.name
     graph.graph["kept_whole"] = builder.whole
+    graph.graph["not_opened"] = builder.not_opened
+    graph.graph["open_layers"] = open_layers
     return graph
 
 
@@ -370,6 +411,22 @@ def call_ordinals(graph):
         if data["kind"] != "input":
             by_layer.setdefault(key[0], []).append(key)
     return {key: (name, k) for name, keys in by_layer.items() for k, key in enumerate(sorted(keys, key=lambda n: n[1]))}
+
+
+def saved_ordinals(graph):
+    """`call_ordinals`, but a call inside an opened layer's call is named
+    by its place among the calls inside the outermost one (`<path>/#i`):
+    the names of a custom layer's sublayers are not in its config, so they
+    differ after loading, while the traced calls come in the same order."""
+    ordinals = call_ordinals(graph)
+    inside = {}
+    for key, data in sorted(graph.nodes(data=True), key=lambda item: item[1]["position"]):
+        root = data.get("opened_root")
+        if root is not None:
+            i = inside.setdefault(root, [0])
+            ordinals[key] = (f"{root}#{i[0]}", 0)
+            i[0] += 1
+    return ordinals
 
 
 def call_names(graph):

@@ -49,10 +49,58 @@ class OutputName(keras.layers.Layer):
         return keras.KerasTensor(inputs.shape, dtype=inputs.dtype, sparse=inputs.sparse, ragged=inputs.ragged)
 
 
-def _replay(graph, nodes, values, calls):
+def _replay(graph, nodes, values, calls, names=None):
     """Calls the layers of `nodes` again, on the tensors in `values` (graph
     tensor key -> tensor), adding the results to `values` and the new Keras
-    nodes to `calls`."""
+    nodes to `calls`. A run of calls made inside one opened layer's call
+    (`graph.nodes[n]["opened"]`) is replayed in a functional model of its
+    own, a fragment named from `names` (`_Names`): layer names need to be
+    unique only within one functional model, and keras_hub's and Keras's
+    own composite layers reuse theirs (`MultiHeadAttention`'s `query`)."""
+    run = []
+    for node_key in list(nodes) + [None]:
+        opened = None if node_key is None else graph.nodes[node_key].get("opened")
+        if run and (node_key is None or opened != graph.nodes[run[0]].get("opened")):
+            _replay_fragment(graph, run, values, calls, names)
+            run = []
+        if opened is not None:
+            run.append(node_key)
+        elif node_key is not None:
+            _replay_calls(graph, [node_key], values, calls)
+
+
+def _replay_fragment(graph, run, values, calls, names):
+    """Replays `run` (calls inside one opened layer's call) as a fragment:
+    a functional model of those calls, called on `values`."""
+    inside = set(run)
+    produced = {k for n in run for k in graph.nodes[n]["out_keys"]}
+    needed = [k for n in run for k in graph.nodes[n]["in_keys"] if k not in produced]
+    needed = list(dict.fromkeys(needed))
+    outputs = graph.graph["outputs"]
+    exported = [
+        k
+        for n in run
+        for k in graph.nodes[n]["out_keys"]
+        if k in outputs or any(s not in inside and k in graph.nodes[s]["in_keys"] for s in graph.successors(n))
+    ]
+    tensors = graph.graph["tensors"]
+    local = {k: keras.Input(batch_shape=tensors[k].shape, dtype=tensors[k].dtype) for k in needed}
+    inner_calls = []
+    fragment_values = dict(local)
+    _replay_calls(graph, run, fragment_values, inner_calls)
+    name = _unique("fragment", names.taken, avoid=lambda c: c in names.source)
+    fragment = keras.Model([local[k] for k in needed], [fragment_values[k] for k in exported], name=name)
+    fragment.input_spec = None
+    keras_compat.keep_input_dtypes(fragment)  # its calls cast what they take, as in the source
+    _run_in_call_order(fragment, inner_calls)
+    outs = fragment([values[k] for k in needed])
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    calls.append(keras_compat.inbound_nodes(fragment)[-1])
+    values.update(zip(exported, outs))
+
+
+def _replay_calls(graph, nodes, values, calls):
+    """Calls the layers of `nodes` again, one by one (see `_replay`)."""
     for node_key in nodes:
         data = graph.nodes[node_key]
         node = data["node"]
@@ -127,7 +175,7 @@ def _segment_model(graph, seg, name, policy, names):
         for sub in seg.inner:
             _add_segment(graph, sub, values, calls, policy, names, prefix=f"{name}_")
     else:
-        _replay(graph, seg.nodes, values, calls)
+        _replay(graph, seg.nodes, values, calls, names)
     outputs = [values[key] for key in seg.outputs]
     sub = keras.Model(inputs=inputs, outputs=outputs, name=f"{name}_model")
     # A model's policy sets the autocast scope its layers run in.
@@ -191,7 +239,7 @@ def _add_segment(graph, seg, values, calls, policy, names, prefix="segment_"):
     """Calls `seg`'s layers on `values` (graph tensor key -> tensor): as
     they are when it is not recomputed, else through a new `Segment`."""
     if not seg.remat:
-        _replay(graph, seg.nodes, values, calls)
+        _replay(graph, seg.nodes, values, calls, names)
         return
     name = names.segment(seg, prefix)
     sub = _segment_model(graph, seg, name, policy, names)

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
-from graphckpt import errors
+from graphckpt import errors, keras_compat
 from graphckpt.graph import dtype_size
 
 __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propagate", "unknown_inputs"]
@@ -234,6 +234,11 @@ def propagate(graph, shapes):
         try:
             args, kwargs = data["node"].arguments.fill_in(mapping)
             found = _spec_shapes(data["layer"].compute_output_spec(*args, **kwargs))
+            if _lost_dimensions(found, args, kwargs):
+                # A layer's own shape rule can lose a dimension its inputs
+                # give (`EinsumDense` with a partial `output_shape`): run
+                # its `call` symbolically instead, as Keras's backends do.
+                found = _spec_shapes(keras_compat.compute_output_spec(data["layer"].call, *args, **kwargs))
             if len(found) != len(out_keys):
                 raise ValueError(f"{len(found)} outputs, where the graph has {len(out_keys)}")
         except Exception as e:  # noqa: BLE001 - any failure keeps the symbolic shapes
@@ -242,6 +247,16 @@ def propagate(graph, shapes):
         for key, shape in zip(out_keys, found):
             spec(key, shape)
     return tensors, failed
+
+
+def _lost_dimensions(found, args, kwargs):
+    """Whether an output shape has an unknown non-batch dimension where
+    every input's non-batch dimensions are known."""
+    from keras import KerasTensor, tree
+
+    inputs = [t for t in tree.flatten((args, kwargs)) if isinstance(t, KerasTensor)]
+    known = inputs and all(d is not None for t in inputs for d in t.shape[1:])
+    return bool(known) and any(d is None for shape in found for d in shape[1:])
 
 
 def unknown_inputs(graph):

@@ -62,6 +62,9 @@ class Plan:
             the batch (parameter-sized gradient buffers left out).
         budget_bytes: the budget a `"budget"` plan was made for.
         policy: the name of the recompute policy used, if any.
+        open_layers: whether composite layers were opened into their calls
+            (`graphckpt.plan(..., open_layers=True)`): the plan's calls are
+            those of the opened graph.
     """
 
     segments: tuple
@@ -72,6 +75,7 @@ class Plan:
     batch_size: int | None = None
     budget_bytes: int | None = None
     policy: str | None = None
+    open_layers: bool = False
 
     @property
     def num_layer_calls(self):

@@ -1,0 +1,173 @@
+"""Opening composite layers (`open_layers=True`): a transformer block
+written as a `keras.layers.Layer` subclass, as keras.io's examples write
+them, and Keras's `MultiHeadAttention` inside it, are cut inside, with the
+same layer objects, and train exactly like the original."""
+
+import keras
+import numpy as np
+import pytest
+from keras import layers
+
+import graphckpt
+from graphckpt.graph import build_graph
+from graphckpt.segment import Segment
+from tests.helpers import compare_step, to_numpy
+
+pytestmark = pytest.mark.backends
+
+
+class TransformerBlock(layers.Layer):
+    """keras.io's text-classification transformer block."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim // num_heads, dropout=rate)
+        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs, training=None):
+        attn_output = self.att(inputs, inputs, training=training)
+        attn_output = self.dropout1(attn_output, training=training)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.dropout2(self.ffn(out1), training=training)
+        return self.layernorm2(out1 + ffn_output)
+
+
+def blocks_model(n=3, seq=8, dim=16, block=TransformerBlock):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((seq, dim))
+    x = inp
+    for _ in range(n):
+        x = block(dim, 4, 2 * dim)(x)
+    return keras.Model(inp, layers.Dense(1)(layers.GlobalAveragePooling1D()(x)))
+
+
+def _x(seq=8, dim=16):
+    return np.random.default_rng(0).normal(size=(4, seq, dim)).astype("float32")
+
+
+def test_blocks_and_their_attention_are_cut_inside_and_train_exactly():
+    model = blocks_model()
+    ck = graphckpt.checkpoint_model(model, segments=6, open_layers=True)
+    assert ck.plan.open_layers
+    segments = [layer for layer in ck.layers if isinstance(layer, Segment)]
+    # Cuts fall inside the blocks and inside their attention layers: no
+    # segment holds a whole block, and some segment starts inside an MHA.
+    names = [key[0] for seg in ck.plan.segments for key in seg.nodes]
+    assert not any(name.startswith("transformer_block") and "/" not in name for name in names)
+    firsts = [seg.nodes[0][0] for seg in ck.plan.segments]
+    assert any("multi_head_attention" in name for name in firsts[1:]) or any(
+        "multi_head_attention" in seg.nodes[-1][0] for seg in ck.plan.segments[:-1]
+    )
+    assert {id(v) for v in ck.weights} == {id(v) for v in model.weights}
+    worst = compare_step(model, ck, _x(), atol=2e-6)  # Dropout masks included
+    assert worst < 2e-6
+    assert all(s.forward_calls >= 2 for s in segments)  # recomputed
+
+
+def test_fit_equals_plain_fit():
+    x, y = _x(), np.random.default_rng(1).normal(size=(4, 1)).astype("float32")
+    runs = []
+    for opened in (False, True):
+        model = blocks_model()
+        target = graphckpt.checkpoint_model(model, segments=6, open_layers=True) if opened else model
+        target.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        keras.utils.set_random_seed(3)
+        history = target.fit(x, y, batch_size=2, epochs=3, shuffle=False, verbose=0)
+        runs.append((history.history["loss"], [to_numpy(v.value) for v in model.weights]))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
+    for a, b in zip(runs[1][1], runs[0][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class OwnWeight(layers.Layer):
+    """A block whose `call` reads a variable of its own."""
+
+    def __init__(self, dim, *args, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(dim)
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return self.dense(x) * self.scale
+
+
+class BranchesOnTraining(layers.Layer):
+    """A block whose `call` takes another path in training."""
+
+    def __init__(self, dim, *args, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(dim)
+        self.drop = layers.Dropout(0.5)
+
+    def call(self, x, training=None):
+        h = self.dense(x)
+        return self.drop(h, training=training) if training else h
+
+
+@pytest.mark.parametrize(
+    "block, why",
+    [(OwnWeight, "variables or seed generators of its own"), (BranchesOnTraining, "computes other values")],
+    ids=["own variable", "branch on training"],
+)
+def test_a_block_that_cannot_be_opened_exactly_stays_one_call_and_says_why(block, why):
+    model = blocks_model(n=2, block=block)
+    graph = build_graph(model, open_layers=True)
+    assert len(graph.graph["not_opened"]) == 2
+    assert all(why in reason for reason in graph.graph["not_opened"].values())
+    ck = graphckpt.checkpoint_model(model, segments=2, open_layers=True)
+    compare_step(model, ck, _x())
+
+
+def test_the_trace_is_made_once_and_leaves_the_layers_as_they_were():
+    """Building the graph again reuses the opened graph (same keys, no new
+    calls recorded on the sublayers), and the source model's own config is
+    unchanged."""
+    model = blocks_model(n=2)
+    config = model.get_config()
+    first = build_graph(model, open_layers=True)
+    block = model.layers[1]
+    calls = [len(sub._inbound_nodes) for sub in block._flatten_layers()]
+    second = build_graph(model, open_layers=True)
+    assert set(first.nodes) == set(second.nodes)
+    assert [len(sub._inbound_nodes) for sub in block._flatten_layers()] == calls
+    assert model.get_config() == config
+
+
+def test_mixed_precision_blocks_open_and_train_exactly():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = blocks_model(n=2)
+    ck = graphckpt.checkpoint_model(model, segments=4, open_layers=True)
+    # The blocks open (their inputs are cast to bfloat16 first, as
+    # `Layer.__call__` does); Keras 3.16's MultiHeadAttention cannot be
+    # traced under mixed precision and stays one call there.
+    closed = build_graph(model, open_layers=True).graph["not_opened"]
+    assert not [path for path in closed if "/" not in path]
+    # Each opened block computes what the block does to float32 rounding
+    # (`graphckpt.opening._verify`, outputs and gradients). Across the
+    # model, a tensor with consumers on both sides of a cut gets its
+    # gradient summed in another grouping, and in bfloat16 that rounds
+    # differently: a few bfloat16 ulps (measured: 1.2e-4 on 5.8e-3), where
+    # float32 differs by 1e-7 (the tests above). A wrong mask or a missing
+    # cast would be off by far more.
+    compare_step(model, ck, _x(), atol=3e-3, rtol=3e-2)
+
+
+def test_a_saved_opened_plan_loads_with_the_same_segments(tmp_path):
+    keras.saving.get_custom_objects()["TransformerBlock"] = TransformerBlock
+    try:
+        model = blocks_model(n=2)
+        ck = graphckpt.checkpoint_model(model, segments=4, open_layers=True)
+        ck.save(tmp_path / "ck.keras")
+        loaded = keras.saving.load_model(tmp_path / "ck.keras")
+    finally:
+        del keras.saving.get_custom_objects()["TransformerBlock"]
+    assert loaded.plan.open_layers
+    assert [len(s.nodes) for s in loaded.plan.segments] == [len(s.nodes) for s in ck.plan.segments]
+    x = _x()
+    np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(ck(x)), rtol=1e-6, atol=1e-6)
