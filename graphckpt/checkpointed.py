@@ -344,6 +344,14 @@ class CheckpointedModel(keras.Model):
                     for sub in cut[index]
                 ]
                 lines.append(f"    cut again (two levels), each part recomputed once more unless kept: {' | '.join(parts)}")
+        from graphckpt.rewrite import OutputName
+
+        for layer in self.layers:
+            if isinstance(layer, OutputName):
+                lines.append(
+                    f"  {layer.name} (OutputName): the output '{layer.name}', made inside a segment, under the "
+                    "name the original model gives it (loss and metric dicts use it); it computes nothing."
+                )
         print_fn("\n".join(lines))
 
 

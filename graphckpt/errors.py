@@ -1,8 +1,10 @@
-"""The errors graphckpt raises.
+"""The errors and warnings graphckpt raises.
 
 Every error is a `GraphckptError`. Each also derives from the builtin that
 fits it (`TypeError` or `ValueError`), so `except ValueError` keeps working.
 Messages say what was received, what was expected, and end with a tip.
+Every warning is a `GraphckptWarning` (a `UserWarning`): filter graphckpt's
+warnings by it, and the `graphckpt` command labels only these as its own.
 """
 
 __all__ = [
@@ -12,6 +14,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
     "InfeasibleBudgetError",
+    "GraphckptWarning",
 ]
 
 
@@ -37,3 +40,7 @@ class InvalidArgumentTypeError(GraphckptError, TypeError):
 
 class InfeasibleBudgetError(InvalidArgumentError):
     """A memory budget below what any plan can reach."""
+
+
+class GraphckptWarning(UserWarning):
+    """Base class of graphckpt's warnings."""

@@ -31,6 +31,8 @@ import functools
 import inspect
 import math
 import numbers
+import re
+import sys
 import warnings
 import weakref
 
@@ -38,7 +40,7 @@ import keras
 
 from graphckpt import errors, keras_compat
 
-__all__ = ["install", "uninstall", "is_installed"]
+__all__ = ["install", "uninstall", "is_installed", "fit"]
 
 _CACHE_ATTR = "_graphckpt_fit_cache"
 _MISSING = object()
@@ -52,6 +54,7 @@ class _Twin:
 
     model: object
     segments: list
+    plan: object = None  # the plan of the latest fit (a cached twin may be from another batch size)
     train_function: object = None
     compiled_with: object = None  # weakref to the model's compile config
 
@@ -168,7 +171,7 @@ def _checked(model, shapes):
         warnings.warn(
             f"Model '{model.name}': gradient checkpointing plans without the shapes of the data "
             f"passed to fit, which don't fit the model's inputs: {e}",
-            stacklevel=4,
+            category=errors.GraphckptWarning, stacklevel=4,
         )
         return None
     except Exception:  # noqa: BLE001 - not a model graphckpt reads: `plan` says why
@@ -209,10 +212,11 @@ def _twin_for(model, planner_kwargs):
         graph = build_graph(model)
         note = kept_whole_note(graph)
         if note:
-            warnings.warn(f"Model '{model.name}':{note}", stacklevel=4)
+            warnings.warn(f"Model '{model.name}':{note}", category=errors.GraphckptWarning, stacklevel=4)
         ck = checkpointed_model(model, graph, the_plan)
         twin = _Twin(ck, [l for l in ck.layers if isinstance(l, Segment)])
         cache.twins[key] = twin
+    twin.plan = the_plan
     return twin
 
 
@@ -276,9 +280,10 @@ def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
 
         note = kept_whole_note(build_graph(model))
         warnings.warn(
-            f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{note}", stacklevel=3
+            f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{note}", category=errors.GraphckptWarning, stacklevel=3
         )
         return original(model, *args, **kwargs)
+    _say_plan(model, twin.plan, _fit_argument(original, model, args, kwargs, "verbose", "auto"))
     saved_call = model.__dict__.get("call", _MISSING)
     saved_fn = getattr(model, "train_function", None)
     model.train_function = twin.train_function if _same_compile(twin, model) else None
@@ -293,6 +298,38 @@ def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
         twin.train_function = getattr(model, "train_function", None)
         twin.compiled_with = _compile_token(model)
         model.train_function = saved_fn
+
+
+def _fit_argument(original, model, args, kwargs, name, default):
+    """The value of `fit`'s argument `name` in this call, positional or not."""
+    return inspect.signature(original).bind_partial(model, *args, **kwargs).arguments.get(name, default)
+
+
+def plan_line(model, the_plan):
+    """What the flag planned, in one line: segments, recomputed calls, the
+    estimated peak against the baseline, and the batch size planned for
+    (the plan depends on it: weight-sized buffers do not grow with it)."""
+    from graphckpt.planner.data import format_bytes
+
+    recomputed = [s for s in the_plan.segments if s.remat]
+    calls = sum(len(s.nodes) for s in recomputed)
+    batch = "per example" if the_plan.batch_size is None else f"for batches of {the_plan.batch_size}"
+    line = (
+        f"graphckpt: model '{model.name}', planned {batch}: {len(the_plan.segments)} segments, "
+        f"{len(recomputed)} recomputed ({calls} of {the_plan.num_layer_calls} layer calls run again in backward)"
+    )
+    peak, baseline = the_plan.estimated_peak_bytes, the_plan.baseline_peak_bytes
+    if peak is not None and baseline:
+        line += (
+            f"; estimated peak {format_bytes(peak)} against {format_bytes(baseline)} without (x{peak / baseline:.2f})"
+        )
+    return line
+
+
+def _say_plan(model, the_plan, verbose):
+    """`plan_line` on stdout, where Keras's progress goes, unless `verbose=0`."""
+    if verbose not in (0, False):
+        print(plan_line(model, the_plan), flush=True)
 
 
 _FLAG_DOC = """
@@ -335,6 +372,88 @@ def _make_wrapper(original):
     return fit
 
 
+def fit(model, *args, gradient_checkpointing=True, budget=None, **kwargs):
+    """`model.fit(*args, **kwargs)` with gradient checkpointing, without
+    `install()`: nothing in Keras is patched.
+
+    The same training as `model.fit(..., gradient_checkpointing=...)` after
+    `graphckpt.install()`: the model's own weights, optimizer, metrics,
+    callbacks and `History`; the plan is made for the shapes of the data.
+
+    Args:
+        model: a compiled functional `keras.Model` or `keras.Sequential`
+            (keras_hub task models included).
+        *args: `fit`'s positional arguments (`x`, `y`, ...).
+        gradient_checkpointing: True or "auto" (default), "sqrt", or an int
+            number of segments; False or None: plain `fit`.
+        budget: a memory budget, as `graphckpt.checkpoint_model` takes it.
+        **kwargs: `fit`'s other keyword arguments.
+
+    Returns:
+        The `History` that `model.fit` returns.
+
+    Raises:
+        graphckpt.UnsupportedModelError: `model`'s class overrides `fit`,
+            which this call would skip: use `install()` and `model.fit`.
+
+    Example:
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> history = graphckpt.fit(model, x, y, epochs=3)
+    """
+    from graphckpt import api
+
+    if not isinstance(model, keras.Model):
+        api.checkpoint_model(model)  # raises NotAModelError, with its tip
+    overrides = api.overridden_methods(model, ("fit",))
+    if overrides:
+        raise errors.UnsupportedModelError(
+            f"Model '{model.name}' of class {type(model).__name__} overrides {overrides[0]}, which "
+            "`graphckpt.fit(model, ...)` would skip: it calls Keras's own `fit`. Tip: call "
+            "`graphckpt.install()`, then `model.fit(..., gradient_checkpointing=True)`, which runs your `fit`."
+        )
+    original = _state["original"] if is_installed() else keras.Model.fit
+    planner_kwargs = _check_flag(gradient_checkpointing, budget)
+    if planner_kwargs is None:
+        return original(model, *args, **kwargs)
+    return _checkpointed_fit(original, model, planner_kwargs, args, kwargs)
+
+
+# Python rejects an unknown keyword before any Keras code runs, so without
+# `install()` nothing can turn `fit(gradient_checkpointing=...)` into a
+# graphckpt error; an uncaught one gets a note that says what to do.
+_FLAG_REJECTED = re.compile(r"fit\(\) got an unexpected keyword argument '(gradient_checkpointing|budget)'")
+_HINT = (
+    "graphckpt: `fit` takes `gradient_checkpointing=` after `graphckpt.install()`. Tip: call "
+    "`graphckpt.install()` first, or `graphckpt.fit(model, x, y, ..., gradient_checkpointing=True)`, "
+    "which patches nothing."
+)
+
+
+def install_hint(error):
+    """Adds `_HINT` to `error` (as a note, shown under its traceback) if it
+    is the `TypeError` of `fit(gradient_checkpointing=...)` without
+    `install()`. Returns whether it did."""
+    if not isinstance(error, TypeError) or not _FLAG_REJECTED.search(str(error)):
+        return False
+    if _HINT not in getattr(error, "__notes__", ()):
+        error.add_note(_HINT)
+    return True
+
+
+def _hinting_excepthook(previous):
+    def excepthook(kind, error, traceback):
+        install_hint(error)
+        previous(kind, error, traceback)
+
+    excepthook._graphckpt_hint = True
+    return excepthook
+
+
+def _add_hint_to_uncaught_errors():
+    if sys.version_info >= (3, 11) and not getattr(sys.excepthook, "_graphckpt_hint", False):
+        sys.excepthook = _hinting_excepthook(sys.excepthook)
+
+
 def is_installed():
     """True while `install()` is in effect."""
     return _state["wrapper"] is not None and keras.Model.fit is _state["wrapper"]
@@ -375,3 +494,6 @@ def uninstall() -> None:
     else:
         del keras.Model.fit  # back to the inherited trainer's own `fit`
     _state.update(original=None, wrapper=None, had_own=False)
+
+
+_add_hint_to_uncaught_errors()

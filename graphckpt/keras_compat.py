@@ -154,6 +154,17 @@ def compile_config(model):
     return getattr(model, "_compile_config", None)
 
 
+def compile_arguments(model):
+    """The arguments of `model`'s last `compile` (its optimizer, loss and
+    metrics objects themselves), or None when it is not compiled. Public
+    alternative: `model.get_compile_config()`, which gives serialized
+    copies (a fresh optimizer; custom losses must be registered)."""
+    config = compile_config(model)
+    if not getattr(model, "compiled", False) or config is None:
+        return None
+    return dict(config.config)
+
+
 def clear_losses(layer):
     """`Layer._clear_losses()`: drops the losses a call added."""
     layer._clear_losses()
