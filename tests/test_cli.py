@@ -348,7 +348,7 @@ def test_inspect_table(capsys, files):
     assert "chain: 9 layer calls in 3 segments, 3 recomputed (fixed, batch 2)" in out
     for header in ("seg", "calls", "first, last call", "boundary tensors", "kept", "peak"):
         assert header in out
-    assert "estimated peak training-step memory (for a batch of 2): baseline" in out
+    assert "estimated peak training-step memory (for a batch of 2):\n  baseline" in out
 
 
 def test_short_names_are_the_shortest_unambiguous_ends_of_paths():

@@ -253,11 +253,11 @@ def render_table(info, console, wide=False):
     totals = info["totals"]
     ratio = f" (x{totals['ratio']:.2f})" if totals["ratio"] is not None else ""
     console.print(
-        f"estimated peak training-step memory ({info['bytes_are']}): "
-        f"baseline {_bytes(totals['baseline_bytes'])}, plan {_bytes(totals['plan_bytes'])}{ratio}"
+        f"estimated peak training-step memory ({info['bytes_are']}):\n"
+        f"  baseline {_bytes(totals['baseline_bytes'])}, plan {_bytes(totals['plan_bytes'])}{ratio}"
     )
     console.print(f"recomputed in backward: {recompute_phrase(totals)}")
-    console.print("kept: held from the forward pass to its backward; peak: estimated, in its backward")
+    console.print("kept: held from forward to the segment's backward; peak: estimated during it")
     if info["num_recomputed"] == 0:
         console.print(f"nothing recomputed: no cut lowers the estimated peak ({info['bytes_are']})")
     if not info["batch_size"]:
@@ -289,7 +289,7 @@ def recompute_phrase(totals):
     time_ = totals["recompute_time_fraction"]
     if time_ <= 1:
         return f"{flops}, about {time_:.0%} of its time"
-    return f"{flops}, about {time_:.2f}x its time (with each segment's overhead)"
+    return f"{flops}, about {time_:.2f}x its time"
 
 
 def _spread(values, fmt):
