@@ -136,13 +136,13 @@ class Plan:
         for seg in self.segments:
             how = "recomputed" if seg.remat else "runs as it is"
             lines.append(
-                f"  {seg.index:3d}: {_plural(len(seg.nodes), 'call', 5)}, {how:13s} {_span(seg.nodes)}  "
+                f"  {seg.index:3d}: {_plural(len(seg.nodes), 'call', 5)}, {how + ':':14s} {_span(seg.nodes)}  "
                 f"({_plural(len(seg.inputs), 'tensor')} in, {len(seg.outputs)} out)"
             )
             for sub in seg.inner:
                 sub_how = "recomputed again" if sub.remat else "kept"
                 lines.append(
-                    f"       {seg.index}.{sub.index}: {_plural(len(sub.nodes), 'call', 5)}, {sub_how:16s} {_span(sub.nodes)}"
+                    f"       {seg.index}.{sub.index}: {_plural(len(sub.nodes), 'call', 5)}, {sub_how + ':':17s} {_span(sub.nodes)}"
                 )
             if nodes:
                 lines.extend(f"         {_name(n)}" for n in seg.nodes)
