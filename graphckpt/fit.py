@@ -31,14 +31,13 @@ import functools
 import inspect
 import math
 import numbers
-import re
-import sys
 import warnings
 import weakref
 
 import keras
 
 from graphckpt import errors, keras_compat
+from graphckpt.fit_report import add_hint_to_uncaught_errors, say_plan
 
 __all__ = ["install", "uninstall", "is_installed", "fit"]
 
@@ -283,7 +282,7 @@ def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
             f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{note}", category=errors.GraphckptWarning, stacklevel=3
         )
         return original(model, *args, **kwargs)
-    _say_plan(model, twin.plan, _fit_argument(original, model, args, kwargs, "verbose", "auto"))
+    say_plan(model, twin.plan, _fit_argument(original, model, args, kwargs, "verbose", "auto"))
     saved_call = model.__dict__.get("call", _MISSING)
     saved_fn = getattr(model, "train_function", None)
     model.train_function = twin.train_function if _same_compile(twin, model) else None
@@ -303,33 +302,6 @@ def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
 def _fit_argument(original, model, args, kwargs, name, default):
     """The value of `fit`'s argument `name` in this call, positional or not."""
     return inspect.signature(original).bind_partial(model, *args, **kwargs).arguments.get(name, default)
-
-
-def plan_line(model, the_plan):
-    """What the flag planned, in one line: segments, recomputed calls, the
-    estimated peak against the baseline, and the batch size planned for
-    (the plan depends on it: weight-sized buffers do not grow with it)."""
-    from graphckpt.planner.data import format_bytes
-
-    recomputed = [s for s in the_plan.segments if s.remat]
-    calls = sum(len(s.nodes) for s in recomputed)
-    batch = "per example" if the_plan.batch_size is None else f"for batches of {the_plan.batch_size}"
-    line = (
-        f"graphckpt: model '{model.name}', planned {batch}: {len(the_plan.segments)} segments, "
-        f"{len(recomputed)} recomputed ({calls} of {the_plan.num_layer_calls} layer calls run again in backward)"
-    )
-    peak, baseline = the_plan.estimated_peak_bytes, the_plan.baseline_peak_bytes
-    if peak is not None and baseline:
-        line += (
-            f"; estimated peak {format_bytes(peak)} against {format_bytes(baseline)} without (x{peak / baseline:.2f})"
-        )
-    return line
-
-
-def _say_plan(model, the_plan, verbose):
-    """`plan_line` on stdout, where Keras's progress goes, unless `verbose=0`."""
-    if verbose not in (0, False):
-        print(plan_line(model, the_plan), flush=True)
 
 
 _FLAG_DOC = """
@@ -418,42 +390,6 @@ def fit(model, *args, gradient_checkpointing=True, budget=None, **kwargs):
     return _checkpointed_fit(original, model, planner_kwargs, args, kwargs)
 
 
-# Python rejects an unknown keyword before any Keras code runs, so without
-# `install()` nothing can turn `fit(gradient_checkpointing=...)` into a
-# graphckpt error; an uncaught one gets a note that says what to do.
-_FLAG_REJECTED = re.compile(r"fit\(\) got an unexpected keyword argument '(gradient_checkpointing|budget)'")
-_HINT = (
-    "graphckpt: `fit` takes `gradient_checkpointing=` after `graphckpt.install()`. Tip: call "
-    "`graphckpt.install()` first, or `graphckpt.fit(model, x, y, ..., gradient_checkpointing=True)`, "
-    "which patches nothing."
-)
-
-
-def install_hint(error):
-    """Adds `_HINT` to `error` (as a note, shown under its traceback) if it
-    is the `TypeError` of `fit(gradient_checkpointing=...)` without
-    `install()`. Returns whether it did."""
-    if not isinstance(error, TypeError) or not _FLAG_REJECTED.search(str(error)):
-        return False
-    if _HINT not in getattr(error, "__notes__", ()):
-        error.add_note(_HINT)
-    return True
-
-
-def _hinting_excepthook(previous):
-    def excepthook(kind, error, traceback):
-        install_hint(error)
-        previous(kind, error, traceback)
-
-    excepthook._graphckpt_hint = True
-    return excepthook
-
-
-def _add_hint_to_uncaught_errors():
-    if sys.version_info >= (3, 11) and not getattr(sys.excepthook, "_graphckpt_hint", False):
-        sys.excepthook = _hinting_excepthook(sys.excepthook)
-
-
 def is_installed():
     """True while `install()` is in effect."""
     return _state["wrapper"] is not None and keras.Model.fit is _state["wrapper"]
@@ -496,4 +432,4 @@ def uninstall() -> None:
     _state.update(original=None, wrapper=None, had_own=False)
 
 
-_add_hint_to_uncaught_errors()
+add_hint_to_uncaught_errors()

@@ -18,7 +18,6 @@ import graphckpt
 from graphckpt import cli
 from graphckpt.checkpointed import plan_to_config
 from graphckpt.cli.loading import gist
-from graphckpt.cli.report import comparison_line, short_names
 from graphckpt.cli.startup import native_log_filter
 from graphckpt.estimate import estimate
 from graphckpt.graph import build_graph
@@ -352,6 +351,8 @@ def test_inspect_table(capsys, files):
 
 
 def test_short_names_are_the_shortest_unambiguous_ends_of_paths():
+    from graphckpt.cli.report import short_names
+
     names = ["dense", "block/dense", "block@1/dense", "backbone/conv", "backbone/inner/relu", "shared#1", "backbone/shared#1"]
     assert short_names(names) == {
         "dense": "dense",  # a top-level call keeps its name
@@ -435,6 +436,8 @@ def _run_record(method, peak, seconds, cpu):
 def test_one_pair_of_runs_gives_no_step_time_ratio():
     """A single noisy pair read as `step time x0.42`: no time ratio without
     the spread of several pairs."""
+    from graphckpt.cli.report import comparison_line
+
     one = Comparison(baseline=(_run_record("baseline", 100, 1.0, 1.0),), candidate=(_run_record("graphckpt", 50, 0.42, 1.3),))
     line = comparison_line(one)
     assert "peak memory x0.50, 50% less" in line
@@ -442,6 +445,8 @@ def test_one_pair_of_runs_gives_no_step_time_ratio():
 
 
 def test_several_pairs_give_medians_with_their_spread():
+    from graphckpt.cli.report import comparison_line
+
     pairs = [(1.0, 1.3), (1.0, 0.42), (2.0, 3.0)]
     c = Comparison(
         baseline=tuple(_run_record("baseline", 100, b, b) for b, _ in pairs),

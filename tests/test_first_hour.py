@@ -10,7 +10,6 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.cli.report import recompute_phrase
 from tests import models
 
 X = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
@@ -71,6 +70,8 @@ def test_checkpointed_summary_explains_its_output_name_layer():
 def test_recompute_time_above_one_forward_pass_reads_as_a_multiple(fraction, expected):
     """"87% of the forward FLOPs, about 102% of its time" read as a
     contradiction: each recomputed segment's overhead comes on top."""
+    from graphckpt.cli.report import recompute_phrase
+
     phrase = recompute_phrase({"recompute_fraction": 0.87, "recompute_time_fraction": fraction})
     assert phrase.startswith("87% of the forward FLOPs, ")
     assert expected in phrase and "102%" not in phrase

@@ -2,7 +2,7 @@
 
     graphckpt inspect MODEL.keras [--segments auto|sqrt|N] [--budget B]
                                   [--batch-size N] [--input-shape [NAME=]8,512 ...]
-                                  [--format table|json|dot]
+                                  [--format table|json|dot] [--wide]
     graphckpt measure MODEL.keras --batch-size N | --input-shape ... [--segments ...]
                                   [--budget ...] [--steps N] [--repeats N] [--json PATH]
     graphckpt demo [--depth N] [--width N] [--batch-size N] ...
