@@ -391,6 +391,8 @@ def test_inspect_names_calls_relative_to_the_model_and_cuts_no_name(capsys, monk
     lines = out.splitlines()
     assert max(len(line.rstrip()) for line in lines) <= 80
     assert "…" not in out
+    # The headers, each on one line ("peak in / its / backward" wrapped).
+    assert re.search(r"^┃ seg ┃ calls ┃ first, last call +┃ boundary tensors +┃ +kept ┃ +peak ┃$", out, flags=re.M), out
     # The backbone's path once, in the note; its layers by their own names.
     assert out.count("a_pretrained_backbone_1.00_224/") == 1
     assert "(stem_conv: a_pretrained_backbone_1.00_224/stem_conv; --wide: full paths)" in " ".join(out.split())
