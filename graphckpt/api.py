@@ -140,7 +140,8 @@ class Planned(NamedTuple):
         if self.unchanged:
             warnings.warn(
                 f"The plan for model '{model_name}' checkpoints nothing: {self.unchanged}.",
-                category=errors.GraphckptWarning, stacklevel=stacklevel + 1,
+                errors.GraphckptWarning,
+                stacklevel=stacklevel + 1,
             )
 
 
@@ -335,17 +336,20 @@ def checkpoint_model(
         unchanged = "the plan recomputes no layer call"
     note = kept_whole_note(graph)  # nested models no cut can enter, if any
     if unchanged:
-        warnings.warn(f"Model '{model.name}' returned unchanged: {unchanged}.{note}", category=errors.GraphckptWarning, stacklevel=2)
+        warnings.warn(
+            f"Model '{model.name}' returned unchanged: {unchanged}.{note}", errors.GraphckptWarning, stacklevel=2
+        )
         return model
     if the_plan.num_layer_calls < 2:
         warnings.warn(
             f"Model '{model.name}' has {the_plan.num_layer_calls} layer "
             f"call(s): nothing worth checkpointing. Returning it unchanged.{note}",
-            category=errors.GraphckptWarning, stacklevel=2,
+            errors.GraphckptWarning,
+            stacklevel=2,
         )
         return model
     if note:
-        warnings.warn(f"Model '{model.name}':{note}", category=errors.GraphckptWarning, stacklevel=2)
+        warnings.warn(f"Model '{model.name}':{note}", errors.GraphckptWarning, stacklevel=2)
     return _compiled_like(model, checkpointed_model(model, graph, the_plan))
 
 

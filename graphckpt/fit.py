@@ -170,7 +170,8 @@ def _checked(model, shapes):
         warnings.warn(
             f"Model '{model.name}': gradient checkpointing plans without the shapes of the data "
             f"passed to fit, which don't fit the model's inputs: {e}",
-            category=errors.GraphckptWarning, stacklevel=4,
+            errors.GraphckptWarning,
+            stacklevel=4,
         )
         return None
     except Exception:  # noqa: BLE001 - not a model graphckpt reads: `plan` says why
@@ -211,7 +212,7 @@ def _twin_for(model, planner_kwargs):
         graph = build_graph(model)
         note = kept_whole_note(graph)
         if note:
-            warnings.warn(f"Model '{model.name}':{note}", category=errors.GraphckptWarning, stacklevel=4)
+            warnings.warn(f"Model '{model.name}':{note}", errors.GraphckptWarning, stacklevel=4)
         ck = checkpointed_model(model, graph, the_plan)
         twin = _Twin(ck, [l for l in ck.layers if isinstance(l, Segment)])
         cache.twins[key] = twin
@@ -279,7 +280,9 @@ def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
 
         note = kept_whole_note(build_graph(model))
         warnings.warn(
-            f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{note}", category=errors.GraphckptWarning, stacklevel=3
+            f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{note}",
+            errors.GraphckptWarning,
+            stacklevel=3,
         )
         return original(model, *args, **kwargs)
     say_plan(model, twin.plan, _fit_argument(original, model, args, kwargs, "verbose", "auto"))

@@ -396,4 +396,4 @@ def plan_warning(plan, model_name):
 def warn_if_no_saving(plan, model_name):
     message = plan_warning(plan, model_name)
     if message:
-        warnings.warn(message, category=errors.GraphckptWarning, stacklevel=2)
+        warnings.warn(message, errors.GraphckptWarning, stacklevel=2)
