@@ -8,18 +8,31 @@ PY     := $(VENV)/bin/python
 # kept out of the published extras. `make install CONSTRAINTS=` drops them.
 CONSTRAINTS ?= constraints-ci.txt
 export TF_CPP_MIN_LOG_LEVEL ?= 3
+# The demo needs graphckpt, Keras and one backend only: JAX, the smallest
+# (README, "Install": about 0.7 GB, against 2.2 GB with TensorFlow).
+# `make demo DEMO_BACKEND=tensorflow` (or torch) runs it on another one.
+DEMO_BACKEND ?= jax
 
+# Everything the tests need (the `test` and `bench` extras: TensorFlow, JAX,
+# PyTorch, keras-hub, ...): what `make test`, and so CI, installs.
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,bench]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $@
 
+# What the demo needs, and nothing else.
+$(VENV)/.installed-$(DEMO_BACKEND): pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(DEMO_BACKEND)]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	touch $@
+
 .PHONY: install demo lint test test-slow test-keras-versions test-keras-nightly test-torch-newest bench
 install: $(VENV)/.installed
 
-demo: install
-	$(VENV)/bin/graphckpt demo
+demo: $(VENV)/.installed-$(DEMO_BACKEND)
+	KERAS_BACKEND=$(DEMO_BACKEND) $(VENV)/bin/graphckpt demo
 
 # The linter runs first (`make lint`). The full suite runs on TensorFlow; the
 # tests marked `backends` run again under JAX and PyTorch, and on TensorFlow

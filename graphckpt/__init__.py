@@ -14,6 +14,7 @@ import types
 
 from graphckpt.errors import (
     GraphckptError,
+    GraphckptWarning,
     InfeasibleBudgetError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -37,6 +38,7 @@ _LAZY = {
     "policies": ("graphckpt.policies", None),
     "uncheckpoint": ("graphckpt.checkpointed", "uncheckpoint"),
     "install": ("graphckpt.fit", "install"),
+    "fit": ("graphckpt.fit", "fit"),
     "uninstall": ("graphckpt.fit", "uninstall"),
     "CheckpointedModel": ("graphckpt.checkpointed", "CheckpointedModel"),
     "Plan": ("graphckpt.plan", "Plan"),
@@ -53,6 +55,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "WeightsFileError",
     "WeightsFileNotFoundError",
+    "GraphckptWarning",
 ]
 
 # Names whose modules import no Keras.
@@ -99,7 +102,8 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    # The public names (loaded or not), not the modules this file imports.
+    return sorted((set(globals()) - {"importlib", "sys", "types"}) | set(__all__))
 
 
 def _graphckpt_module_initializing():

@@ -141,6 +141,7 @@ class Planned(NamedTuple):
         if self.unchanged:
             warnings.warn(
                 f"The plan for model '{model_name}' checkpoints nothing: {self.unchanged}.",
+                errors.GraphckptWarning,
                 stacklevel=stacklevel + 1,
             )
 
@@ -330,6 +331,8 @@ def checkpoint_model(
         A new functional `keras.Model`, or `model` itself (with a warning)
         when it has fewer than 2 layer calls or when the plan would
         recompute nothing (a budget at or above the estimated baseline).
+        If `model` is compiled, so is the new model, with the same
+        arguments: the same optimizer object, loss and metrics.
 
     Raises:
         graphckpt.NotAModelError: `model` is not a Keras model.
@@ -355,15 +358,28 @@ def checkpoint_model(
         unchanged = "the plan recomputes no layer call"
     note = kept_whole_note(graph)  # nested models no cut can enter, if any
     if unchanged:
-        warnings.warn(f"Model '{model.name}' returned unchanged: {unchanged}.{note}", stacklevel=2)
+        warnings.warn(
+            f"Model '{model.name}' returned unchanged: {unchanged}.{note}", errors.GraphckptWarning, stacklevel=2
+        )
         return model
     if the_plan.num_layer_calls < 2:
         warnings.warn(
             f"Model '{model.name}' has {the_plan.num_layer_calls} layer "
             f"call(s): nothing worth checkpointing. Returning it unchanged.{note}",
+            errors.GraphckptWarning,
             stacklevel=2,
         )
         return model
     if note:
-        warnings.warn(f"Model '{model.name}':{note}", stacklevel=2)
-    return checkpointed_model(model, graph, the_plan)
+        warnings.warn(f"Model '{model.name}':{note}", errors.GraphckptWarning, stacklevel=2)
+    return _compiled_like(model, checkpointed_model(model, graph, the_plan))
+
+
+def _compiled_like(model, ck):
+    """`ck`, compiled as `model` is, if it is: the same optimizer object
+    (fitting `ck` goes on with its state: the variables are the same),
+    loss and metrics, as `model.compile` last received them."""
+    arguments = keras_compat.compile_arguments(model)
+    if arguments is not None:
+        ck.compile(**arguments)
+    return ck

@@ -341,7 +341,20 @@ class CheckpointedModel(keras.Model):
                     for sub in cut[index]
                 ]
                 lines.append(f"    cut again (two levels), each part recomputed once more unless kept: {' | '.join(parts)}")
-        print_fn("\n".join(lines))
+        print_fn("\n".join(_output_name_notes(self) + lines))
+
+
+def _output_name_notes(model):
+    """A line for each `OutputName` layer of `model`, which its summary
+    lists among the real ones."""
+    from graphckpt.rewrite import OutputName
+
+    return [
+        f"{layer.name} (OutputName): the output '{layer.name}', made inside a segment, under the name the "
+        "original model gives it (loss and metric dicts use it); it computes nothing."
+        for layer in model.layers
+        if isinstance(layer, OutputName)
+    ]
 
 
 def checkpointed_model(model, graph, plan):

@@ -1,8 +1,10 @@
-"""The errors graphckpt raises.
+"""The errors and warnings graphckpt raises.
 
 Every error is a `GraphckptError`. Each also derives from the builtin that
 fits it (`TypeError` or `ValueError`), so `except ValueError` keeps working.
 Messages say what was received, what was expected, and end with a tip.
+Every warning is a `GraphckptWarning` (a `UserWarning`): filter graphckpt's
+warnings by it, and the `graphckpt` command labels only these as its own.
 """
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "WeightsFileError",
     "WeightsFileNotFoundError",
+    "GraphckptWarning",
 ]
 
 
@@ -49,3 +52,7 @@ class WeightsFileError(GraphckptError, OSError):
 
 class WeightsFileNotFoundError(WeightsFileError, FileNotFoundError):
     """A weights file that does not exist (a `FileNotFoundError`, as Keras's)."""
+
+
+class GraphckptWarning(UserWarning):
+    """Base class of graphckpt's warnings."""

@@ -29,16 +29,16 @@ loss and metrics, `History`, callbacks, `validation_data`, `class_weight`.
 import dataclasses
 import functools
 import inspect
-import math
 import numbers
 import warnings
 import weakref
 
 import keras
 
-from graphckpt import errors, keras_compat
+from graphckpt import errors, fit_data, keras_compat
+from graphckpt.fit_report import add_hint_to_uncaught_errors, say_plan
 
-__all__ = ["install", "uninstall", "is_installed"]
+__all__ = ["install", "uninstall", "is_installed", "fit"]
 
 _CACHE_ATTR = "_graphckpt_fit_cache"
 _MISSING = object()
@@ -52,13 +52,14 @@ class _Twin:
 
     model: object
     segments: list
+    plan: object = None  # the plan of the latest fit (a cached twin may be from another batch size)
     train_function: object = None
     compiled_with: object = None  # weakref to the model's compile config
 
 
 class _Cache:
     """Per-model cache. `plans`: planner arguments (`_arguments_key`) ->
-    the `_Twin` they planned, or a string saying why there is nothing to
+    `(twin, plan)` they planned, or a string saying why there is nothing to
     recompute; `twins`: plan (`_plan_key`) -> `_Twin`, shared by arguments
     that plan alike. A plain object, so Keras's tracking and weight saving
     ignore it; it dies with the model."""
@@ -92,99 +93,6 @@ def _check_flag(gradient_checkpointing, budget):
     )
 
 
-def _with_data_shapes(planner_kwargs, original, model, args, kwargs):
-    """Plans for the data `fit` trains on: `(with_shapes, without)`, the
-    planner arguments with the shapes of its first batch (`input_shape=`;
-    not yet checked against the model), and those to plan with if they
-    don't fit it: for a byte budget, the batch size `fit` uses."""
-    bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
-    x, batch_size = bound.get("x"), bound.get("batch_size")
-    if not _is_batched(x) and batch_size is None:
-        batch_size = 32  # what `fit` uses for arrays
-    without = dict(planner_kwargs, batch_size=batch_size) if "budget" in planner_kwargs else planner_kwargs
-    shapes = _data_shapes(x, batch_size, bound.get("validation_split") or 0.0)
-    return (without if shapes is None else dict(planner_kwargs, input_shape=shapes)), without
-
-
-def _shape(dims):
-    return tuple(None if d is None else int(d) for d in dims)
-
-
-def _data_shapes(x, batch_size, validation_split):
-    """The input shapes of the first batch `fit` takes from `x`, as
-    `input_shape=` spells them, or None when they can't be read without
-    consuming data.
-
-    Arrays (and dicts, lists, tuples of arrays): `fit` takes batches of
-    `batch_size` from the examples it trains on. A `tf.data` dataset: its
-    `element_spec` (the batch dimension may be unknown). Keras `PyDataset`s
-    and generators are not read: peeking would run or consume the user's
-    data pipeline (its augmentation's random draws included)."""
-    from keras import tree
-    from keras.utils import unpack_x_y_sample_weight
-
-    if x is None:
-        return None
-    if not _is_batched(x):
-        leaves = tree.flatten(x)
-        if not leaves or not all(hasattr(leaf, "shape") and len(leaf.shape) for leaf in leaves):
-            return None
-        examples = int(leaves[0].shape[0])
-        examples = int(math.ceil(examples * (1.0 - validation_split)))
-        step = max(1, min(batch_size, examples))
-        return _as_input_shape(tree.map_structure(lambda a: (step,) + _shape(a.shape[1:]), x))
-    spec = getattr(x, "element_spec", None)
-    if spec is None:
-        return None
-    x_spec = unpack_x_y_sample_weight(spec)[0]
-    try:
-        shapes = tree.map_structure(lambda s: _shape(s.shape), x_spec)
-    except (AttributeError, TypeError, ValueError):  # specs of unknown rank
-        return None
-    if any(d is None for spec in tree.flatten(x_spec) for d in _shape(spec.shape)[1:]):
-        return None  # padded or ragged batches: lengths vary from batch to batch
-    return _as_input_shape(shapes)
-
-
-def _as_input_shape(shapes):
-    """A structure of shapes -> `input_shape=`'s spelling (a tuple, a list
-    of tuples or a dict of tuples), or None for deeper nesting."""
-    if isinstance(shapes, dict):
-        flat = all(isinstance(s, tuple) for s in shapes.values())
-        return dict(shapes) if flat else None
-    if isinstance(shapes, list) or (isinstance(shapes, tuple) and shapes and isinstance(shapes[0], tuple)):
-        return list(shapes) if all(isinstance(s, tuple) for s in shapes) else None
-    return shapes
-
-
-def _checked(model, shapes):
-    """`shapes` if the planner accepts them for `model`, else None, with a
-    warning: `fit` itself will say what is wrong with the data."""
-    if shapes is None:
-        return None
-    from graphckpt.graph import build_graph
-    from graphckpt.shapes import parse_input_shape
-
-    try:
-        parse_input_shape(build_graph(model), shapes)
-    except errors.GraphckptError as e:
-        warnings.warn(
-            f"Model '{model.name}': gradient checkpointing plans without the shapes of the data "
-            f"passed to fit, which don't fit the model's inputs: {e}",
-            stacklevel=6,
-        )
-        return None
-    except Exception:  # noqa: BLE001 - not a model graphckpt reads: `plan` says why
-        return None
-    return shapes
-
-
-def _is_batched(x):
-    """True for inputs that bring their own batches (datasets, generators,
-    `keras.utils.PyDataset`), for which `fit` ignores `batch_size`."""
-    return x is not None and not hasattr(x, "shape") and not isinstance(x, (list, tuple, dict))
-
-
 def _plan_key(the_plan):
     def inner(seg):
         return tuple((len(sub.nodes), sub.remat) for sub in getattr(seg, "inner", ()))
@@ -205,7 +113,7 @@ def _twin_for(model, planner_kwargs, without_shapes=None):
     or None when there is nothing to recompute. Planned once per model and
     arguments (`_arguments_key`); `without_shapes`: the arguments to plan
     with instead if the data's shapes don't fit the model (see
-    `_with_data_shapes`)."""
+    `with_data_shapes`)."""
     cache = model.__dict__.get(_CACHE_ATTR)
     if cache is None:
         cache = _Cache()
@@ -215,20 +123,26 @@ def _twin_for(model, planner_kwargs, without_shapes=None):
         cache.plans[key] = _plan_twin(model, cache, planner_kwargs, without_shapes)
     found = cache.plans[key]
     if isinstance(found, str):
-        warnings.warn(f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{found}", stacklevel=4)
+        warnings.warn(
+            f"Model '{model.name}': gradient checkpointing has nothing to recompute; plain fit.{found}",
+            errors.GraphckptWarning,
+            stacklevel=4,
+        )
         return None
-    return found
+    twin, twin.plan = found  # the plan of these arguments (estimates for this batch)
+    return twin
 
 
 def _plan_twin(model, cache, planner_kwargs, without_shapes):
-    """Plans `model` (one graph build) and makes its twin, or says why there
-    is nothing to recompute (a string, with any nested model kept whole)."""
+    """Plans `model` (one graph build) and makes its twin: `(twin, plan)`,
+    or why there is nothing to recompute (a string, with any nested model
+    kept whole)."""
     from graphckpt import api
     from graphckpt.checkpointed import checkpointed_model
     from graphckpt.graph import kept_whole_note
     from graphckpt.segment import Segment
 
-    if "input_shape" in planner_kwargs and _checked(model, planner_kwargs["input_shape"]) is None:
+    if "input_shape" in planner_kwargs and fit_data.checked_shapes(model, planner_kwargs["input_shape"]) is None:
         planner_kwargs = without_shapes if without_shapes is not None else planner_kwargs
     result = api.planned(model, **planner_kwargs)  # raises the same errors as checkpoint_model
     result.warn_if_unchanged(model.name, stacklevel=5)
@@ -238,10 +152,10 @@ def _plan_twin(model, cache, planner_kwargs, without_shapes):
     key = _plan_key(the_plan)
     if key not in cache.twins:
         if note:
-            warnings.warn(f"Model '{model.name}':{note}", stacklevel=5)
+            warnings.warn(f"Model '{model.name}':{note}", errors.GraphckptWarning, stacklevel=5)
         ck = checkpointed_model(model, result.graph, the_plan)
         cache.twins[key] = _Twin(ck, [l for l in ck.layers if isinstance(l, Segment)])
-    return cache.twins[key]
+    return cache.twins[key], the_plan
 
 
 def _compile_token(model):
@@ -296,53 +210,13 @@ def _check_own_call(model):
         )
 
 
-def _build_like_fit(model, original, args, kwargs):
-    """Builds an unbuilt Sequential as `fit` would on its first batch, so
-    that it has a layer graph to plan: Keras's trainer runs the model
-    symbolically on a batch of the data's shapes and dtypes
-    (`backend.compute_output_spec(model, x, training=False)`). Arrays are
-    read as the trainer batches them (`keras_compat.first_batch_spec`), a
-    `tf.data` dataset by its `element_spec`. Other data (generators,
-    `PyDataset`s) can't be read without consuming it, so it is refused,
-    with how to build the model first."""
-    if not isinstance(model, keras.Sequential) or model.built:
-        return
-    from keras import tree
-    from keras.utils import unpack_x_y_sample_weight
-
-    bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
-    x, batch_size = bound.get("x"), bound.get("batch_size") or 32
-    spec = getattr(x, "element_spec", None)
-    if spec is not None:
-        x_spec = unpack_x_y_sample_weight(spec)[0]
-        batch = tree.map_structure(lambda s: keras.KerasTensor(tuple(s.shape), dtype=s.dtype.name), x_spec)
-    elif _data_shapes(x, batch_size, 0.0) is not None and not _is_batched(x):
-        examples = len(tree.flatten(x)[0])
-        train = int(math.ceil(examples * (1.0 - (bound.get("validation_split") or 0.0))))
-        batch = keras_compat.first_batch_spec(tree.map_structure(lambda a: a[:train], x), batch_size)
-    else:
-        raise errors.UnsupportedModelError(
-            f"Sequential model '{model.name}' is not built, and `fit(gradient_checkpointing=...)` "
-            "plans on its layer graph before training starts, so it builds the model from the data's "
-            f"first batch, as `fit` would. It cannot read that batch from x of type {type(x).__name__} "
-            "without consuming it (expected arrays or a `tf.data.Dataset`). Tip: build the model "
-            "first: `keras.Input(shape)` as its first layer, or `model.build((None, ...))`."
-        )
-    shapes = [tuple(t.shape) for t in tree.flatten(batch)]
-    if len(shapes) == 1 and None in shapes[0]:
-        # What running it on such a batch builds, on every backend (PyTorch's
-        # symbolic run would put a placeholder size in place of None).
-        model.build(shapes[0])
-    else:
-        keras_compat.compute_output_spec(model, batch, training=False)
-
-
 def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
-    _build_like_fit(model, original, args, kwargs)
+    fit_data.build_like_fit(model, original, args, kwargs)
     _check_own_call(model)
-    twin = _twin_for(model, *_with_data_shapes(planner_kwargs, original, model, args, kwargs))
+    twin = _twin_for(model, *fit_data.with_data_shapes(planner_kwargs, original, model, args, kwargs))
     if twin is None:
         return original(model, *args, **kwargs)
+    say_plan(model, twin.plan, _fit_argument(original, model, args, kwargs, "verbose", "auto"))
     saved_call = model.__dict__.get("call", _MISSING)
     saved_fn = getattr(model, "train_function", None)
     model.train_function = twin.train_function if _same_compile(twin, model) else None
@@ -357,6 +231,11 @@ def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
         twin.train_function = getattr(model, "train_function", None)
         twin.compiled_with = _compile_token(model)
         model.train_function = saved_fn
+
+
+def _fit_argument(original, model, args, kwargs, name, default):
+    """The value of `fit`'s argument `name` in this call, positional or not."""
+    return inspect.signature(original).bind_partial(model, *args, **kwargs).arguments.get(name, default)
 
 
 _FLAG_DOC = """
@@ -399,6 +278,52 @@ def _make_wrapper(original):
     return fit
 
 
+def fit(model, *args, gradient_checkpointing=True, budget=None, **kwargs):
+    """`model.fit(*args, **kwargs)` with gradient checkpointing, without
+    `install()`: nothing in Keras is patched.
+
+    The same training as `model.fit(..., gradient_checkpointing=...)` after
+    `graphckpt.install()`: the model's own weights, optimizer, metrics,
+    callbacks and `History`; the plan is made for the shapes of the data.
+
+    Args:
+        model: a compiled functional `keras.Model` or `keras.Sequential`
+            (keras_hub task models included).
+        *args: `fit`'s positional arguments (`x`, `y`, ...).
+        gradient_checkpointing: True or "auto" (default), "sqrt", or an int
+            number of segments; False or None: plain `fit`.
+        budget: a memory budget, as `graphckpt.checkpoint_model` takes it.
+        **kwargs: `fit`'s other keyword arguments.
+
+    Returns:
+        The `History` that `model.fit` returns.
+
+    Raises:
+        graphckpt.UnsupportedModelError: `model`'s class overrides `fit`,
+            which this call would skip: use `install()` and `model.fit`.
+
+    Example:
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> history = graphckpt.fit(model, x, y, epochs=3)
+    """
+    from graphckpt import api
+
+    if not isinstance(model, keras.Model):
+        api.checkpoint_model(model)  # raises NotAModelError, with its tip
+    overrides = api.overridden_methods(model, ("fit",))
+    if overrides:
+        raise errors.UnsupportedModelError(
+            f"Model '{model.name}' of class {type(model).__name__} overrides {overrides[0]}, which "
+            "`graphckpt.fit(model, ...)` would skip: it calls Keras's own `fit`. Tip: call "
+            "`graphckpt.install()`, then `model.fit(..., gradient_checkpointing=True)`, which runs your `fit`."
+        )
+    original = _state["original"] if is_installed() else keras.Model.fit
+    planner_kwargs = _check_flag(gradient_checkpointing, budget)
+    if planner_kwargs is None:
+        return original(model, *args, **kwargs)
+    return _checkpointed_fit(original, model, planner_kwargs, args, kwargs)
+
+
 def is_installed():
     """True while `install()` is in effect."""
     return _state["wrapper"] is not None and keras.Model.fit is _state["wrapper"]
@@ -439,3 +364,6 @@ def uninstall() -> None:
     else:
         del keras.Model.fit  # back to the inherited trainer's own `fit`
     _state.update(original=None, wrapper=None, had_own=False)
+
+
+add_hint_to_uncaught_errors()

@@ -147,13 +147,11 @@ def compute_output_spec(fn, *args, **kwargs):
 
 
 def first_batch_spec(x, batch_size):
-    """`KerasTensor`s of the first batch of the arrays `x` (a structure of
-    arrays: the examples `fit` trains on) as Keras's trainer feeds them to
-    a model it builds (`Trainer._symbolic_build`): TensorFlow's trainer
-    goes through its array adapter's `tf.data` dataset, whose batch
-    dimension is None when a partial batch ends the epoch; JAX's and
-    PyTorch's feed numpy batches of `min(batch_size, examples)`. Public
-    alternative: none (each trainer's data adapter decides)."""
+    """`KerasTensor`s of the first batch of the arrays `x` as Keras's trainer
+    feeds a model it builds (`Trainer._symbolic_build`): TensorFlow's array
+    adapter makes the batch dimension None when a partial batch ends the
+    epoch; JAX's and PyTorch's numpy batches have `min(batch_size, n)`.
+    No public way: each trainer's data adapter decides."""
     import keras
     from keras import tree
 
@@ -172,10 +170,9 @@ def first_batch_spec(x, batch_size):
 def norms_keep_centered_input():
     """Whether Keras's layer and group normalization keep an input-sized
     centered tensor for their gradient: from Keras 3.16 they compute
-    `(x - mean) * inv` (3.15: `x * inv + (beta - mean * inv)`, which keeps
-    none), except where a backend has a fused op (PyTorch's
-    `layer_normalization`, used for layer normalization). Read from the
-    version: the formula is inside a private function."""
+    `(x - mean) * inv` (3.15 folds the mean into an offset), except on
+    PyTorch, whose fused op 3.16 uses. Read from the version: the formula
+    is inside a private function."""
     import keras
 
     major, minor = (int(p) for p in keras.version().split(".")[:2])
@@ -186,6 +183,15 @@ def compile_config(model):
     """The config `compile` recorded (`Model._compile_config`), or None.
     Public: `get_compile_config`, serialized."""
     return getattr(model, "_compile_config", None)
+
+
+def compile_arguments(model):
+    """The arguments of `model`'s last `compile` (the objects themselves),
+    or None. Public: `get_compile_config()`, serialized copies."""
+    config = compile_config(model)
+    if not getattr(model, "compiled", False) or config is None:
+        return None
+    return dict(config.config)
 
 
 def clear_losses(layer):
@@ -243,21 +249,16 @@ def enclosing_stateless_scope():
 
 def takes_call_context_arg(layer, name):
     """Whether `layer`'s `call` takes the call-context argument `name`
-    ("training", or one a layer registers) that enclosing calls pass on
-    (`Layer._call_has_context_arg`). Passing it to a layer whose `call`
-    ignores it is not harmless: Keras records an explicit value in the
-    call context, which later calls of the same model call then inherit."""
+    (`Layer._call_has_context_arg`). Passing it to one whose `call` ignores
+    it records it in Keras's call context, which later calls inherit."""
     return bool(getattr(layer, "_call_has_context_arg", {}).get(name, False))
 
 
 def recorded_training_wins():
-    """How Keras resolves `training=` for a call recorded in a functional
-    graph with an explicit `training=` of its own, when the model runs
-    with another one. Keras up to 3.15: the model's value wins
-    (`Functional.call` injects it into every call through `operation_fn`);
-    from 3.16 (keras-team/keras PR 23364): the recorded value wins, and
-    calls recorded without one inherit the enclosing call's. Read from
-    `Functional.call`'s code: whether it refers to `operation_fn`."""
+    """Whether a call's recorded `training=` wins over the one its model
+    runs with: from Keras 3.16 (keras PR 23364) it does; up to 3.15
+    `Functional.call` injects the model's into every call through
+    `operation_fn` (read from its code: whether it names `operation_fn`)."""
     return "operation_fn" not in functional_class().call.__code__.co_names
 
 

@@ -55,7 +55,7 @@ _TIP = (
 )
 
 
-class UnknownDimensionWarning(UserWarning):
+class UnknownDimensionWarning(errors.GraphckptWarning):
     """Estimates count an unknown non-batch dimension as 1."""
 
 

@@ -21,6 +21,7 @@ from graphckpt.cli.loading import gist
 from graphckpt.cli.startup import native_log_filter
 from graphckpt.estimate import estimate
 from graphckpt.graph import build_graph
+from graphckpt.measure import Comparison, Measurement
 from tests import models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +61,7 @@ def files(tmp_path_factory):
         "zip": d / "other.keras",
         "lm": d / "lm.keras",
         "unregistered": d / "unregistered.keras",
+        "h5": d / "chain.h5",
         "dir": d,
     }
     multi_io = models.multi_io()
@@ -68,6 +70,7 @@ def files(tmp_path_factory):
     models.nested().save(paths["nested"])
     chain = models.chain(depth=8, width=8)
     chain.save(paths["chain"])
+    chain.save(paths["h5"])  # the legacy format, which Keras still loads
     graphckpt.checkpoint_model(chain, segments=3).save(paths["checkpointed"])
     sub = TwoDense()
     sub(keras.ops.ones((1, 3)))
@@ -122,8 +125,13 @@ def runs(files, tmp_path_factory):
         # A checkpointed file: this also proves it loads in a fresh process
         # with no custom_objects (the CLI only imports graphckpt).
         "inspect": _run("inspect", files["multi_io_ck"], "--format", "json", "--batch-size", 4, script=True),
-        "measure": _run("measure", files["chain"], "--batch-size", 8, "--steps", 1, "--segments", 2, "--json", out / "m.json"),
-        "demo": _run("demo", "--depth", 6, "--width", 16, "--batch-size", 8, "--steps", 1, script=True),
+        "measure": _run(
+            "measure", files["chain"], "--batch-size", 8, "--steps", 1, "--segments", 2, "--repeats", 2, "--json", out / "m.json"
+        ),
+        "demo": _run("demo", "--depth", 6, "--width", 16, "--batch-size", 8, "--steps", 1, "--repeats", 1, script=True),
+        # Keras's own warnings on loading (a legacy .h5 file: absl's "No
+        # training configuration found") are not graphckpt's to print.
+        "h5": _run("inspect", files["h5"], "--batch-size", 2),
         "missing": _run("inspect", out / "missing.keras", script=True),
         # TF_CPP_MIN_LOG_LEVEL unset, as in a user's shell.
         "quiet": _run("inspect", files["chain"], "--format", "json", log_level=None),
@@ -191,13 +199,19 @@ def test_measure_subprocess(runs):
     assert code == 0, stderr
     assert "baseline" in stdout and "graphckpt" in stdout and "peak memory x" in stdout
     data = json.loads((runs.out / "m.json").read_text())
-    (base,), (cand,) = data["baseline"], data["candidate"]
-    assert base["ok"] and cand["ok"]
-    assert (base["num_segments"], cand["num_segments"]) == (0, 2)
+    bases, cands = data["baseline"], data["candidate"]
+    assert len(bases) == len(cands) == 2 and all(m["ok"] for m in bases + cands)
+    assert [m["num_segments"] for m in bases + cands] == [0, 0, 2, 2]
     # The segments column counts as `inspect` does: "N segments, M recomputed".
     assert re.search(r"^│ graphckpt .*│ +2, 2 recomputed │$", stdout, flags=re.M), stdout
-    assert base["batch_size"] == cand["batch_size"] == 8
-    assert data["peak_ratio"] == pytest.approx(cand["peak_bytes"] / base["peak_bytes"])
+    assert {m["batch_size"] for m in bases + cands} == {8}
+    ratios = [c["peak_bytes"] / b["peak_bytes"] for b, c in zip(bases, cands)]
+    assert data["peak_ratios"] == pytest.approx(ratios)
+    assert data["peak_ratio"] == pytest.approx(sum(ratios) / 2)
+    # Two pairs: medians with their spread, never one noisy pair's ratio alone.
+    assert len(data["time_ratios"]) == 2
+    assert "median (min-max) of 2 pairs" in stdout
+    assert re.search(r"step time x[0-9.]+ \(x[0-9.]+-x[0-9.]+\)", stdout), stdout
 
 
 def test_demo_subprocess(runs):
@@ -213,7 +227,7 @@ def test_demo_subprocess(runs):
     ck = graphckpt.checkpoint_model(cli.demo_model(6, 16), batch_size=8)
     assert sum(isinstance(layer, graphckpt.Segment) for layer in ck.layers) == recomputed
     phrase = f"{total} segments, {recomputed} recomputed"  # total > 1 here
-    assert f"7 layer calls in {phrase} (auto)" in stdout
+    assert f"7 layer calls in {phrase} (auto, batch 8)" in stdout
     layers_ = f"{recomputed} Segment layer" + ("s" if recomputed > 1 else "")
     inline = f"{total - recomputed} run" + ("s" if total - recomputed == 1 else "")
     assert f"with {layers_}, one per recomputed segment ({phrase}; {inline} inline)" in " ".join(stdout.split())
@@ -222,6 +236,17 @@ def test_demo_subprocess(runs):
     assert re.search(r"peak memory x[0-9.]+", stdout)
     rows = [line for line in stdout.splitlines() if re.match(r"^│ (baseline|graphckpt) ", line)]
     assert len(rows) == 2
+    # One pair of runs (--repeats 1): no step-time ratio to read as a speed-up.
+    assert "step time x" not in stdout and "step time not compared: one pair of runs is too noisy" in stdout
+
+
+def test_keras_loading_messages_are_left_out(runs):
+    """Keras says a legacy .h5 file has no training configuration (through
+    absl's log): `inspect` never trains, so it loads without compiling."""
+    code, stdout, stderr = runs("h5")
+    assert code == 0, stderr
+    assert "chain: 9 layer calls" in stdout
+    assert _error_lines(stderr) == []
 
 
 def test_error_subprocess_one_line_no_traceback(runs):
@@ -319,10 +344,120 @@ def run_main(capsys, *argv):
 def test_inspect_table(capsys, files):
     code, out, err = run_main(capsys, "inspect", files["chain"], "--segments", 3, "--batch-size", 2)
     assert code == 0, err
-    assert "chain: 9 layer calls in 3 segments, 3 recomputed (fixed)" in out
-    for header in ("seg", "first", "last", "calls", "boundary tensors", "kept bytes"):
+    assert "chain: 9 layer calls in 3 segments, 3 recomputed (fixed, batch 2)" in out
+    for header in ("seg", "calls", "first, last call", "boundary tensors", "kept", "peak"):
         assert header in out
-    assert "estimated peak training-step memory (for a batch of 2): baseline" in out
+    assert "estimated peak training-step memory (for a batch of 2):\n  baseline" in out
+
+
+def test_short_names_are_the_shortest_unambiguous_ends_of_paths():
+    from graphckpt.cli.report import short_names
+
+    names = ["dense", "block/dense", "block@1/dense", "backbone/conv", "backbone/inner/relu", "shared#1", "backbone/shared#1"]
+    assert short_names(names) == {
+        "dense": "dense",  # a top-level call keeps its name
+        "block/dense": "block/dense",  # `dense` alone would be the top-level one
+        "block@1/dense": "block@1/dense",
+        "backbone/conv": "conv",
+        "backbone/inner/relu": "relu",
+        "shared#1": "shared#1",
+        "backbone/shared#1": "backbone/shared#1",
+    }
+
+
+@pytest.fixture
+def long_nested(tmp_path):
+    """A transfer-learning model whose backbone has a long name, as
+    keras.applications' do (`mobilenetv2_1.00_96`)."""
+    inp = keras.Input((8,), name="pixels")
+    x = inp
+    for name in ("stem_conv", "block_1_expand", "block_1_expand_relu", "block_1_project", "block_2_add"):
+        x = layers.Dense(8, activation="relu", name=name)(x)
+    base = keras.Model(inp, x, name="a_pretrained_backbone_1.00_224")
+    outer_in = keras.Input((8,), name="image")
+    model = keras.Model(outer_in, layers.Dense(2, name="head")(base(outer_in)), name="transfer")
+    path = tmp_path / "transfer.keras"
+    model.save(path)
+    return path
+
+
+def test_inspect_names_calls_relative_to_the_model_and_cuts_no_name(capsys, monkeypatch, long_nested):
+    """At 80 columns (COLUMNS, as a terminal sets it) every line fits and no
+    name is cut short: the backbone's path is shown once, and `--wide`
+    shows every path in full."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = run_main(capsys, "inspect", long_nested, "--segments", 3, "--batch-size", 2)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    assert "…" not in out
+    # The headers, each on one line ("peak in / its / backward" wrapped).
+    assert re.search(r"^┃ seg ┃ calls ┃ first, last call +┃ boundary tensors +┃ +kept ┃ +peak ┃$", out, flags=re.M), out
+    # The backbone's path once, in the note; its layers by their own names.
+    assert out.count("a_pretrained_backbone_1.00_224/") == 1
+    assert "(stem_conv: a_pretrained_backbone_1.00_224/stem_conv; --wide: full paths)" in " ".join(out.split())
+    for name in ("stem_conv", "block_1_expand_relu", "head"):
+        assert re.search(rf"│ {name} ", out), name
+
+    code, out, _ = run_main(capsys, "inspect", long_nested, "--segments", 3, "--batch-size", 2, "--wide")
+    assert code == 0 and "…" not in out and "--wide: full paths" not in out
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= 80
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run_main(capsys, "inspect", long_nested, "--segments", 3, "--batch-size", 2, "--wide")
+    assert "│ a_pretrained_backbone_1.00_224/stem_conv " in out
+
+
+def test_inspect_says_what_batch_size_it_planned_for(capsys, files):
+    """The best plan depends on the batch size (weight-sized buffers don't
+    grow with it): the title says which one, and without one a line says
+    to pass it."""
+    code, out, _ = run_main(capsys, "inspect", files["chain"])
+    assert code == 0
+    assert "(auto, per example)" in out and "pass --batch-size N" in out
+    code, out, _ = run_main(capsys, "inspect", files["chain"], "--batch-size", 4)
+    assert "(auto, batch 4)" in out and "per example" not in out
+
+
+def test_only_graphckpt_warnings_carry_its_name(capsys, files, monkeypatch, tmp_path):
+    """Another library's warning goes on to Python's own handling (here
+    pytest's), not relabelled `graphckpt: warning:`."""
+    (tmp_path / "noisy_module.py").write_text("import warnings\nwarnings.warn('a warning from another library', UserWarning)\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match="a warning from another library"):
+        code, _, err = run_main(capsys, "inspect", files["chain"], "--import", "noisy_module")
+    assert code == 0, err
+    assert "graphckpt: warning" not in err
+    code, _, err = run_main(capsys, "inspect", files["lm"], "--batch-size", 2)  # graphckpt's own
+    assert err.startswith("graphckpt: warning: ")
+
+
+def _run_record(method, peak, seconds, cpu):
+    return Measurement(label=method, method=method, builder="b", ok=True, peak_bytes=peak, step_time_s=seconds, step_cpu_s=cpu)
+
+
+def test_one_pair_of_runs_gives_no_step_time_ratio():
+    """A single noisy pair read as `step time x0.42`: no time ratio without
+    the spread of several pairs."""
+    from graphckpt.cli.report import comparison_line
+
+    one = Comparison(baseline=(_run_record("baseline", 100, 1.0, 1.0),), candidate=(_run_record("graphckpt", 50, 0.42, 1.3),))
+    line = comparison_line(one)
+    assert "peak memory x0.50, 50% less" in line
+    assert "x0.42" not in line and "step time not compared" in line
+
+
+def test_several_pairs_give_medians_with_their_spread():
+    from graphckpt.cli.report import comparison_line
+
+    pairs = [(1.0, 1.3), (1.0, 0.42), (2.0, 3.0)]
+    c = Comparison(
+        baseline=tuple(_run_record("baseline", 100, b, b) for b, _ in pairs),
+        candidate=tuple(_run_record("graphckpt", 40, g, 1.25 * b) for b, g in pairs),
+    )
+    line = comparison_line(c)
+    assert "median (min-max) of 3 pairs" in line
+    assert "step time x1.30 (x0.42-x1.50)" in line
+    assert "CPU time x1.25 (x1.25-x1.25)" in line
 
 
 def test_inspect_nested_json_and_dot(capsys, files):
@@ -357,7 +492,7 @@ def test_inspect_names_a_nested_model_it_cannot_cut_into(capsys, tmp_path):
     keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(4)(used))).save(path)
     code, out, err = run_main(capsys, "inspect", path, "--segments", 2, "--batch-size", 2)
     assert code == 0, err
-    assert "nested model 'two' is one layer call, no cut inside it: its call of 'dead' leads only to outputs" in out
+    assert "nested model 'two' is one layer call, no cut inside it: its call of 'dead' leads only to outputs" in " ".join(out.split())
     code, out, _ = run_main(capsys, "inspect", path, "--segments", 2, "--batch-size", 2, "--format", "json")
     assert list(json.loads(out)["kept_whole"]) == ["two"]
 
@@ -495,7 +630,7 @@ def test_a_plan_that_raises_the_estimated_peak_is_a_warning(capsys, files):
     assert one.estimated_peak_bytes > one.baseline_peak_bytes
     code, out, err = run_main(capsys, "inspect", files["chain"], "--segments", 1, "--batch-size", 2)
     assert code == 0
-    assert "9 layer calls in 1 segment, 1 recomputed (fixed)" in out  # not "1 segments"
+    assert "9 layer calls in 1 segment, 1 recomputed (fixed, batch 2)" in out  # not "1 segments"
     (line,) = err.strip().splitlines()
     assert line.startswith("graphckpt: warning: the plan for model 'chain' (1 segment, 1 recomputed) raises the estimated peak")
     code, out, err = run_main(capsys, "inspect", files["chain"], "--segments", 3, "--batch-size", 2)

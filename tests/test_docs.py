@@ -1,16 +1,26 @@
-"""Every Python code block in README.md and docs/*.md runs, and every
-relative link between the docs resolves.
+"""Every Python code block in README.md and docs/*.md runs alone and prints
+what the doc shows, the `graphckpt inspect` commands the docs show print
+what they show, and every relative link between the docs resolves.
 
-The Python blocks of one file run in order, in one fresh interpreter (so a
-block may use names from the blocks above it), in an empty working
-directory. Shell blocks hold `make` targets and `graphckpt` commands: `make
-test` is what CI itself runs, and the CLI commands are run by
-tests/test_cli.py.
+The Python blocks of one page run in order in one interpreter, each in a
+fresh namespace and Keras session (a block that uses a name must define or
+import it, as it would in a new file; layer names count from 0 again), in one empty working directory per page (a block may
+read the `.keras` file an earlier block of the page saved, as the page
+tells its reader to). What a block prints (stdout, stderr and warnings,
+written `Category: message`) must be the text of the block right after it
+when that block's info string is `text output`, and nothing otherwise.
+Shell blocks hold `make` targets and `graphckpt` commands: `make test` is
+what CI itself runs; `inspect` and `--help`, whose output is exact, are run
+here on the page's own files at 80 columns (`measure` and `demo` print
+timings: tests/test_cli.py runs them).
 """
 
+import functools
+import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -18,23 +28,127 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
-FENCE = re.compile(r"```(\w+)[^\n]*\n(.*?)```", re.S)
+FENCE = re.compile(r"```(\w+)([^\n]*)\n(.*?)```", re.S)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+# Runs blocks (a JSON list of source strings) as the docstring says, and
+# writes what each printed, or the error it raised, as JSON.
+_RUNNER = """
+import contextlib, io, json, sys, traceback, warnings
+blocks = json.load(open(sys.argv[1]))
+results = []
+def show(message, category, filename, lineno, file=None, line=None):
+    print(f"{category.__name__}: {message}", file=sys.stderr)
+warnings.showwarning = show
+for code in blocks:
+    if "keras" in sys.modules:  # names (`dense_3`) count from 0 again, as in a new process
+        sys.modules["keras"].backend.clear_session()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            exec(compile(code, "<doc block>", "exec"), {"__name__": "__main__"})
+            error = None
+        except BaseException:
+            error = traceback.format_exc()
+    results.append({"output": out.getvalue(), "error": error})
+    if error:
+        break
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def blocks_of(path):
+    """`(language, info, code)` for each fenced block of `path`, in order."""
+    return [(lang, info.strip(), code) for lang, info, code in FENCE.findall(path.read_text())]
 
 
 def python_blocks(path):
-    return [code for lang, code in FENCE.findall(path.read_text()) if lang == "python" and ">>>" not in code]
+    """`(code, expected output)` for each Python block `path` runs."""
+    blocks = blocks_of(path)
+    found = []
+    for i, (lang, _, code) in enumerate(blocks):
+        if lang != "python" or ">>>" in code:
+            continue
+        following = blocks[i + 1] if i + 1 < len(blocks) else None
+        shown = following[2] if following and following[:2] == ("text", "output") else ""
+        found.append((code, shown))
+    return found
+
+
+def _env():
+    env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "tensorflow"), TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(COLUMNS="80", PYTHONUNBUFFERED="1")
+    return env
+
+
+@functools.cache
+def _ran(path, workdir):
+    """Runs `path`'s Python blocks in `workdir`; their results, in order."""
+    blocks = python_blocks(path)
+    source, results = pathlib.Path(workdir) / ".blocks.json", pathlib.Path(workdir) / ".results.json"
+    source.write_text(json.dumps([code for code, _ in blocks]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, source.name, results.name],
+        cwd=workdir, env=_env(), capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(results.read_text())
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+    return {path: str(tmp_path_factory.mktemp(path.stem)) for path in DOCS}
+
+
+def _lines(text):
+    return [line.rstrip() for line in text.strip("\n").splitlines()]
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if python_blocks(p)], ids=lambda p: p.name)
-def test_python_blocks_run(path, tmp_path):
-    script = "\n\n".join(python_blocks(path))
-    env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "tensorflow"), TF_CPP_MIN_LOG_LEVEL="3")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, f"{path.name}:\n{result.stderr[-3000:]}"
+def test_python_blocks_run_alone_and_print_what_is_shown(path, workdirs):
+    blocks = python_blocks(path)
+    for i, ((code, shown), result) in enumerate(zip(blocks, _ran(path, workdirs[path]))):
+        first = code.strip().splitlines()[0]
+        assert result["error"] is None, f"{path.name}, block {i + 1} ({first}):\n{result['error'][-3000:]}"
+        assert _lines(result["output"]) == _lines(shown), f"{path.name}, block {i + 1} ({first}) printed:\n{result['output']}"
+    assert len(_ran(path, workdirs[path])) == len(blocks)
+
+
+def console_commands(path):
+    """`(argv, shown output)` for each `$ graphckpt inspect ...` and `$
+    graphckpt --help` of `path`'s console blocks."""
+    found = []
+    for lang, _, code in blocks_of(path):
+        if lang != "console":
+            continue
+        for command in re.split(r"^\$ ", code, flags=re.M)[1:]:
+            line, _, shown = command.partition("\n")
+            argv = shlex.split(line)
+            if argv[:2] in (["graphckpt", "inspect"], ["graphckpt", "--help"]):
+                found.append((argv, shown))
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS if console_commands(p)], ids=lambda p: p.name)
+def test_inspect_output_shown_is_the_output(path, workdirs):
+    """Run on the files the page's Python blocks saved (a command on a file
+    the page does not make, such as an error case's, is left to
+    tests/test_cli.py)."""
+    workdir = workdirs[path]
+    if python_blocks(path):
+        _ran(path, workdir)
+    checked = 0
+    for argv, shown in console_commands(path):
+        if argv[1] == "inspect" and not (pathlib.Path(workdir) / argv[2]).exists():
+            continue
+        proc = subprocess.run(
+            [sys.executable, "-m", "graphckpt", *argv[1:]],
+            cwd=workdir, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+        )
+        assert _lines(proc.stdout) == _lines(shown), f"{path.name}: $ {shlex.join(argv)}\n{proc.stdout}"
+        checked += 1
+    assert checked, f"{path.name}: no command was run"
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)

@@ -386,3 +386,71 @@ def test_a_flagged_fit_plans_once_per_model_and_data_shapes(installed, monkeypat
     model.compile(optimizer="sgd", loss="mse")
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0, gradient_checkpointing=2)
     assert len(calls) == 4
+
+
+def test_graphckpt_fit_trains_as_the_flag_does_without_patching_keras():
+    """`graphckpt.fit(model, ...)`: the flag's training with `keras.Model.fit`
+    left as it is (no `install()`)."""
+    original = keras.Model.fit
+    fit = dict(x=X, y=Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    histories = []
+    for train in (lambda m: m.fit(**fit), lambda m: graphckpt.fit(m, **fit)):
+        model = regularized()
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        keras.utils.set_random_seed(11)  # same dropout masks in both runs
+        histories.append(train(model))
+    h0, h1 = histories
+    assert keras.Model.fit is original
+    assert segments_of(model), "trained through the checkpointed twin"
+    for key in h0.history:
+        np.testing.assert_allclose(h1.history[key], h0.history[key], rtol=1e-5, err_msg=key)
+
+
+def test_graphckpt_fit_refuses_a_class_whose_fit_it_would_skip():
+    class OwnFit(keras.Model):
+        def fit(self, *args, **kwargs):
+            return super().fit(*args, **kwargs)
+
+    inp = keras.Input((8,))
+    model = OwnFit(inp, layers.Dense(1)(layers.Dense(8)(inp)))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(graphckpt.UnsupportedModelError, match=r"overrides .*OwnFit.fit.*graphckpt.install\(\)"):
+        graphckpt.fit(model, X, Y, verbose=0)
+
+
+def test_forgetting_install_ends_in_a_note_that_names_it(tmp_path):
+    """Python rejects the unknown keyword before graphckpt can act; the
+    uncaught error a script ends with says what to do."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import keras, numpy as np, graphckpt\n"
+        "inp = keras.Input((4,))\n"
+        "model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(4)(inp)))\n"
+        "model.compile(optimizer='sgd', loss='mse')\n"
+        "model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0, gradient_checkpointing=True)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "unexpected keyword argument 'gradient_checkpointing'" in proc.stderr
+    assert "Tip: call `graphckpt.install()` first, or `graphckpt.fit(model, x, y, ..., gradient_checkpointing=True)`" in proc.stderr
+
+
+def test_a_verbose_flagged_fit_says_what_it_planned(installed, capsys):
+    model = regularized()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=2, gradient_checkpointing=True)
+    expected = graphckpt.plan(model, input_shape=(8, 8))
+    recomputed = [s for s in expected.segments if s.remat]
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("graphckpt:")]
+    assert line.startswith(
+        f"graphckpt: model 'regularized', planned for batches of 8: {len(expected.segments)} segments, "
+        f"{len(recomputed)} recomputed ({sum(len(s.nodes) for s in recomputed)} of {expected.num_layer_calls} layer calls"
+    )
+    assert f"(x{expected.estimated_peak_bytes / expected.baseline_peak_bytes:.2f})" in line
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0, gradient_checkpointing=True)
+    assert "graphckpt:" not in capsys.readouterr().out

@@ -77,3 +77,53 @@ def test_public_functions_outlive_submodule_imports(first):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _make_dry_run(target):
+    """The commands `make -n -B target` would run (all of them, as on a fresh clone)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    proc = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_make_demo_installs_keras_and_one_backend_only():
+    """`make demo` used to install the `test` and `bench` extras (3.9 GB:
+    TensorFlow, JAX, torch, keras-hub, ...) for one demo on one backend."""
+    lines = _make_dry_run("demo")
+    installs = [line for line in lines if " pip install " in line and "--upgrade pip" not in line]
+    assert installs == [line for line in installs if '-e ".[jax]"' in line] and len(installs) == 1, installs
+    assert lines[-1].endswith("KERAS_BACKEND=jax .venv/bin/graphckpt demo")
+    # The demo's backend is an extra of its own, as README's install lines say.
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert extras["jax"] == ["jax>=0.4.36"]
+
+
+def test_make_test_still_installs_everything_the_tests_need():
+    lines = _make_dry_run("test")
+    assert any('pip install -q -e ".[test,bench]" -c constraints-ci.txt' in line for line in lines)
+    test_extra = " ".join(_pyproject()["project"]["optional-dependencies"]["test"])
+    for needed in ("tensorflow", "jax", "torch", "keras-hub", "pytest", "ruff"):
+        assert needed in test_extra
+
+
+def test_readme_shows_an_install_line_and_its_size_for_each_backend():
+    import re
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for extra in ("tensorflow", "jax", "torch"):
+        assert extra in _pyproject()["project"]["optional-dependencies"]
+        line = next((line for line in readme.splitlines() if f'pip install ".[{extra}]"' in line), None)
+        assert line is not None, extra
+        assert re.search(r"[0-9.]+ GB", line), line
+
+
+def test_metadata_names_its_authors_and_bounds_its_dependencies():
+    project = _pyproject()["project"]
+    assert project["authors"] and all(a.get("name") for a in project["authors"])
+    for requirement in project["dependencies"]:
+        assert ">=" in requirement, f"{requirement}: no lower bound"

@@ -9,9 +9,9 @@ from keras import layers, ops
 
 import graphckpt
 from graphckpt import cost_model
-from graphckpt import fit as fit_flag
 from graphckpt.checkpointed import checkpointed_model
 from graphckpt.estimate import node_costs
+from graphckpt.fit import _CACHE_ATTR
 from graphckpt.graph import build_graph
 from graphckpt.plan import plan_from_boundaries, smallest_peak, topological_order, validate_plan
 from graphckpt.segment import Segment
@@ -183,7 +183,7 @@ def test_the_fit_flag_with_a_budget_below_one_level_trains_exactly(installed):
     x, y = rng.normal(size=(32, 16)).astype("float32"), rng.normal(size=(32, 2)).astype("float32")
     fit = dict(x=x, y=y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
     (plain, h0), (model, h1) = fit_twice(build, fit, {"optimizer": "adam", "loss": "mse"}, budget=budget)
-    (twin,) = model.__dict__[fit_flag._CACHE_ATTR].twins.values()
+    (twin,) = model.__dict__[_CACHE_ATTR].twins.values()
     assert twin.model.plan.levels == 2
     np.testing.assert_allclose(h1.history["loss"], h0.history["loss"], rtol=1e-6)
     for a, b in zip(state_of(model), state_of(plain)):

@@ -2,7 +2,7 @@
 
     graphckpt inspect MODEL.keras [--segments auto|sqrt|N] [--budget B]
                                   [--batch-size N] [--input-shape [NAME=]8,512 ...]
-                                  [--format table|json|dot]
+                                  [--format table|json|dot] [--wide]
     graphckpt measure MODEL.keras --batch-size N | --input-shape ... [--segments ...]
                                   [--budget ...] [--steps N] [--repeats N] [--json PATH]
     graphckpt demo [--depth N] [--width N] [--batch-size N] ...
@@ -34,7 +34,7 @@ from graphckpt.cli.commands import DEMO, cmd_demo, cmd_inspect, cmd_measure, dem
 from graphckpt.cli.loading import load_model_file
 from graphckpt.cli.report import describe
 from graphckpt.cli.startup import quiet_tensorflow
-from graphckpt.errors import GraphckptError, InvalidArgumentError
+from graphckpt.errors import GraphckptError, GraphckptWarning, InvalidArgumentError
 
 __all__ = ["main", "describe", "budget_arg", "parse_input_shapes", "demo_model", "load_model_file"]
 
@@ -83,6 +83,7 @@ def _parser():
     p = sub.add_parser("inspect", parents=[common, loading, planning], help="show the plan for a saved model")
     p.add_argument("--batch-size", type=positive_int, metavar="N", help="bytes for a batch of N (default: per example)")
     p.add_argument("--format", choices=("table", "json", "dot"), default="table", help="output format (default: table)")
+    p.add_argument("--wide", action="store_true", help="table: full layer paths inside nested models (they wrap)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("measure", parents=[common, loading, planning], help="measure peak memory, baseline vs plan")
@@ -90,7 +91,7 @@ def _parser():
         "--batch-size", type=positive_int, metavar="N", help="examples per training step (or the first dim of --input-shape)"
     )
     p.add_argument("--steps", type=positive_int, default=5, metavar="N", help="measured training steps (default: 5)")
-    p.add_argument("--repeats", type=positive_int, default=1, metavar="N", help="alternate N baseline/graphckpt pairs (default: 1)")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="alternate N baseline/graphckpt pairs, report medians and spread (default: 3)")
     p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON to PATH")
     p.set_defaults(func=cmd_measure)
 
@@ -99,7 +100,7 @@ def _parser():
     p.add_argument("--width", type=positive_int, default=DEMO["width"], metavar="N", help=f"units per layer (default: {DEMO['width']})")
     p.add_argument("--batch-size", type=positive_int, default=DEMO["batch_size"], metavar="N", help=f"default: {DEMO['batch_size']}")
     p.add_argument("--steps", type=positive_int, default=5, metavar="N", help="measured training steps (default: 5)")
-    p.add_argument("--repeats", type=positive_int, default=1, metavar="N", help="alternate N baseline/graphckpt pairs (default: 1)")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="alternate N baseline/graphckpt pairs, report medians and spread (default: 3)")
     p.set_defaults(func=cmd_demo)
     return parser
 
@@ -113,9 +114,17 @@ def _version():
         return "unknown"
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None):
-    """Warnings as one line each, like errors: no source line to quote."""
-    print(f"graphckpt: warning: {in_flags(' '.join(str(message).split()))}", file=sys.stderr)
+def _warning_printer(show_others):
+    """graphckpt's own warnings as one line each, like its errors, in the
+    command's words; any other library's as `show_others` shows them."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, GraphckptWarning):
+            show_others(message, category, filename, lineno, file, line)
+            return
+        print(f"graphckpt: warning: {in_flags(' '.join(str(message).split()))}", file=sys.stderr)
+
+    return show
 
 
 def main(argv=None):
@@ -124,7 +133,7 @@ def main(argv=None):
     debug = "--debug" in argv
     with warnings.catch_warnings(), quiet_tensorflow():
         if not debug:
-            warnings.showwarning = _show_warning
+            warnings.showwarning = _warning_printer(warnings.showwarning)
         return _main(argv, debug)
 
 

@@ -32,7 +32,7 @@ def cmd_inspect(args):
     elif args.format == "dot":
         print(to_dot(info, graph))
     else:
-        render_table(info, make_console())
+        render_table(info, make_console(), wide=args.wide)
     return 0
 
 

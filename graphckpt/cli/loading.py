@@ -23,7 +23,9 @@ def load_model_file(path, imports=()):
             importlib.import_module(name)
         except ImportError as e:
             raise CliError(f"--import {name}: {e}") from None
-    return keras.saving.load_model(path)
+    # Not compiled: no command trains the model as saved (`measure` compiles
+    # its own), and Keras's compile-on-load warnings would be noise here.
+    return keras.saving.load_model(path, compile=False)
 
 
 def gist(error, limit=400):

@@ -1,8 +1,12 @@
 """What `inspect`, `measure` and `demo` print: plain data about a plan
 (`describe`), and the renderers (table, Graphviz, measured comparison)."""
 
+import collections
 import json
+import re
 import warnings
+
+from graphckpt import errors
 
 
 def _tensor_name(key, names, graph):
@@ -145,12 +149,12 @@ def to_dot(info, graph):
 
 
 def make_console(stderr=False):
+    """A console as wide as the terminal: `COLUMNS` if set, else the size
+    of the terminal any standard stream is attached to (so `| less` still
+    fits the screen), else 80 columns."""
     from rich.console import Console
 
-    console = Console(stderr=stderr, highlight=False)
-    if not console.is_terminal:  # piped or captured: no 80-column default
-        console = Console(stderr=stderr, highlight=False, width=120)
-    return console
+    return Console(stderr=stderr, highlight=False)
 
 
 def _bytes(n):
@@ -163,42 +167,109 @@ def _shape(shape):
     return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
 
 
-def render_table(info, console):
+def short_names(names):
+    """Each of `names` (layer-call paths such as `backbone/block_3/conv`)
+    by the shortest end of its path that no other name ends with: names
+    relative to the model, still unambiguous.
+
+    `Conv1` stands for `mobilenetv2_1.00_96/Conv1` when no other call's
+    path ends in `Conv1`; `block/dense` and `block@1/dense` stay whole next
+    to a top-level `dense`. A name's `#k` (its k-th call) stays with it.
+
+    Returns:
+        A dict: name -> its short form (distinct for distinct names).
+    """
+    names = set(names)
+    ends = collections.Counter()
+    for name in names:
+        parts = name.split("/")
+        ends.update("/".join(parts[i:]) for i in range(len(parts)))
+    short = {}
+    for name in names:
+        parts = name.split("/")
+        # From the last component outwards; a full name is always its own.
+        short[name] = next(
+            ("/".join(parts[i:]) for i in range(len(parts) - 1, 0, -1) if ends["/".join(parts[i:])] == 1), name
+        )
+    return short
+
+
+_TENSOR_INDEX = re.compile(r"^(.*?)(\[[0-9]+\])?$")
+
+
+def _namer(info, wide):
+    """`(name_of, example)`: how the table writes a call or tensor name,
+    and one `(short, full)` pair for the note that names were shortened
+    (None when nothing was)."""
+    if wide:
+        return (lambda name: name), None
+    calls = [c for seg in info["segments"] for c in seg["calls"]] + list(info["outside"])
+    short = short_names(calls)
+
+    def name_of(name):
+        call, index = _TENSOR_INDEX.match(name).groups()
+        return short.get(call, call) + (index or "")
+
+    example = next(((short[c], c) for c in calls if short[c] != c), None)
+    return name_of, example
+
+
+def render_table(info, console, wide=False):
+    """The plan as a table: one row per segment, in execution order.
+
+    Names are relative to the model (`short_names`) unless `wide`; long
+    ones wrap (a name is never cut), so the table fits `console.width`,
+    80 columns included."""
     from rich.table import Table
 
+    name_of, example = _namer(info, wide)
     segments = f"{plural(info['num_segments'], 'segment')}, {info['num_recomputed']} recomputed"
-    title = f"{info['model']}: {plural(info['num_layer_calls'], 'layer call')} in {segments} ({info['strategy']})"
-    table = Table(title=title, title_justify="left")
-    for col, justify in [("seg", "right"), ("first", "left"), ("last", "left"), ("calls", "right")]:
-        table.add_column(col, justify=justify)
-    table.add_column("boundary tensors", justify="left")
-    table.add_column("kept bytes", justify="right")
-    table.add_column("peak in its backward", justify="right")
+    title = (
+        f"{info['model']}: {plural(info['num_layer_calls'], 'layer call')} in {segments} "
+        f"({info['strategy']}, {_planned_for(info)})"
+    )
+    table = Table()
+    table.add_column("seg", justify="right", no_wrap=True)
+    table.add_column("calls", justify="right", overflow="fold")
+    table.add_column("first, last call", overflow="fold")
+    table.add_column("boundary tensors", overflow="fold")
+    table.add_column("kept", justify="right", no_wrap=True)
+    table.add_column("peak", justify="right", no_wrap=True)
     for seg in info["segments"]:
-        boundary = "\n".join(f"{b['tensor']} {_shape(b['shape'])}" for b in seg["boundary"]) or "-"
         index = str(seg["index"]) + ("" if seg["recomputed"] else "*")
         calls = str(seg["num_calls"])
         if seg["inner"]:  # cut again: inner segments' calls, `+`-separated
             calls += " = " + "+".join(f"{sub['num_calls']}" + ("" if sub["recomputed"] else "*") for sub in seg["inner"])
-        row = (seg["first"], seg["last"], calls, boundary)
-        table.add_row(index, *row, _bytes(seg["kept_bytes"]), _bytes(seg["peak_bytes"]))
+        span = name_of(seg["first"]) + ("" if seg["last"] == seg["first"] else "\n" + name_of(seg["last"]))
+        # Each tensor's shape on a line of its own: a long name and its
+        # shape wrap apart, not mid-shape.
+        boundary = "\n".join(f"{name_of(b['tensor'])}\n{_shape(b['shape'])}" for b in seg["boundary"]) or "-"
+        table.add_row(index, calls, span, boundary, _bytes(seg["kept_bytes"]), _bytes(seg["peak_bytes"]))
+    if example is not None:
+        short, full = example
+        console.print(f"names relative to the model ({short}: {full}; --wide: full paths)")
+    console.print(title)  # not the table's title: that wraps at the table's width
     console.print(table)
     totals = info["totals"]
     ratio = f" (x{totals['ratio']:.2f})" if totals["ratio"] is not None else ""
     console.print(
-        f"estimated peak training-step memory ({info['bytes_are']}): "
-        f"baseline {_bytes(totals['baseline_bytes'])}, plan {_bytes(totals['plan_bytes'])}{ratio}"
+        f"estimated peak training-step memory ({info['bytes_are']}):\n"
+        f"  baseline {_bytes(totals['baseline_bytes'])}, plan {_bytes(totals['plan_bytes'])}{ratio}"
     )
-    console.print(
-        f"recomputed in backward: {totals['recompute_fraction']:.0%} of the forward FLOPs, "
-        f"about {totals['recompute_time_fraction']:.0%} of its time"
-    )
+    console.print(f"recomputed in backward: {recompute_phrase(totals)}")
+    console.print("kept: held from forward to the segment's backward; peak: estimated during it")
+    if info["num_recomputed"] == 0:
+        console.print(f"nothing recomputed: no cut lowers the estimated peak ({info['bytes_are']})")
+    if not info["batch_size"]:
+        # Per example, weight-sized buffers (which don't grow with the
+        # batch) are left out: the best cuts at a real batch size differ.
+        console.print("planned per example; at your batch size the plan may differ: pass --batch-size N")
     if totals["unknown_layers"]:
         console.print(f"estimated conservatively (unknown layers): {', '.join(totals['unknown_layers'])}")
     for name, why in info["kept_whole"].items():
         console.print(f"nested model '{name}' is one layer call, no cut inside it: {why}")
     if any(not s["recomputed"] for s in info["segments"]):
-        console.print("* runs inline, not recomputed: its layer calls run as they are and keep what they keep")
+        console.print("* runs inline (not recomputed): its layer calls keep what they keep")
     if any(s["inner"] for s in info["segments"]):
         console.print(
             "a = b+c: a segment cut again (two levels): its recompute keeps only its inner segments' inputs, "
@@ -206,30 +277,86 @@ def render_table(info, console):
         )
 
 
-def render_comparison(comparison, console, plan=None):
-    """Medians over the repeats, and the median paired ratios. With the
-    `plan` measured, the segments column counts its segments as `inspect`
-    does; the number recomputed is always the measured model's."""
+def _planned_for(info):
+    return f"batch {info['batch_size']}" if info["batch_size"] else "per example"
+
+
+def recompute_phrase(totals):
+    """What the plan recomputes, as a share of the forward pass. Its
+    estimated time can pass one forward pass: each recomputed segment adds
+    a call's overhead to the FLOPs it runs again."""
+    flops = f"{totals['recompute_fraction']:.0%} of the forward FLOPs"
+    time_ = totals["recompute_time_fraction"]
+    if time_ <= 1:
+        return f"{flops}, about {time_:.0%} of its time"
+    return f"{flops}, about {time_:.2f}x its time"
+
+
+def _spread(values, fmt):
+    """`median (min-max)` of `values`, each written by `fmt`; one value alone."""
     import statistics
 
+    median = fmt(statistics.median(values))
+    if len(values) == 1:
+        return median
+    return f"{median} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def _bytes_spread(values):
+    """`13.8 MiB (13.7-14.7)`: the median's unit for the range too."""
+    import statistics
+
+    median = _bytes(int(statistics.median(values)))
+    if len(values) == 1:
+        return median
+    number, unit = median.split(" ")
+    scale = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[unit]
+    return f"{median} ({min(values) / scale:.1f}-{max(values) / scale:.1f})"
+
+
+def render_comparison(comparison, console, plan=None):
+    """Medians over the repeats, with their range, and the paired ratios.
+    Step times on a shared machine are noisy: one pair of runs gives no
+    time ratio, and several give it with their spread. With the `plan`
+    measured, the segments column counts its segments as `inspect` does;
+    the number recomputed is always the measured model's."""
     from rich.table import Table
 
     first = comparison.baseline[0]
     repeats = len(comparison.baseline)
-    title = f"measured: batch {first.batch_size}, {plural(first.steps, 'step')}" + (f" x {repeats} runs" if repeats > 1 else "")
-    table = Table(title=f"{title}, {first.device}", title_justify="left")
+    runs_ = f"; median (min-max) of {repeats} alternating runs" if repeats > 1 else ""
+    title = f"measured: batch {first.batch_size}, {plural(first.steps, 'step')}, {first.device}{runs_}"
+    table = Table()
     for col in ("model", "peak training-step memory", "step time", "segments"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for label, runs in (("baseline", comparison.baseline), ("graphckpt", comparison.candidate)):
-        peak = statistics.median(m.peak_bytes for m in runs)
-        step = statistics.median(m.step_time_s for m in runs)
-        table.add_row(label, _bytes(int(peak)), f"{step * 1000:.1f} ms", _segments_cell(label, runs[0], plan))
+        peak = _bytes_spread([m.peak_bytes for m in runs])
+        step = _spread([m.step_time_s * 1000 for m in runs], lambda ms: f"{ms:.0f}")
+        table.add_row(label, peak, f"{step} ms", _segments_cell(label, runs[0], plan))
+    console.print(title)
     console.print(table)
-    peak, time_ = comparison.peak_ratio, comparison.time_ratio
+    console.print(comparison_line(comparison))
+
+
+def comparison_line(comparison):
+    """graphckpt against the baseline: the peak memory ratio, and the time
+    ratios with their spread over the pairs of runs (none from a single
+    pair: one pair on a shared machine can read as a speed-up)."""
+
+    def ratio(values):
+        return _spread(values, lambda r: f"x{r:.2f}")
+
+    peaks, times, cpus = (comparison.ratios(a) for a in ("peak_bytes", "step_time_s", "step_cpu_s"))
+    peak = comparison.peak_ratio
     change = f"{abs(1 - peak) * 100:.0f}% {'less' if peak <= 1 else 'more'}"
-    console.print(f"graphckpt / baseline: peak memory x{peak:.2f} ({change}), step time x{time_:.2f}")
-    if repeats == 1:
-        console.print("(one run each; step times on a busy machine are noisy: --repeats N alternates N pairs)")
+    pairs = f", median (min-max) of {len(peaks)} pairs" if len(peaks) > 1 else ""
+    lines = [f"graphckpt / baseline{pairs}:", f"  peak memory {ratio(peaks)}, {change}"]
+    if len(times) < 2:
+        lines.append("  step time not compared: one pair of runs is too noisy (--repeats 3 or more)")
+    else:
+        cpu = f"; CPU time {ratio(cpus)}" if len(cpus) == len(times) else ""
+        lines.append(f"  step time {ratio(times)}{cpu}")
+    return "\n".join(lines)
 
 
 def _segments_cell(label, measurement, plan):
@@ -269,4 +396,4 @@ def plan_warning(plan, model_name):
 def warn_if_no_saving(plan, model_name):
     message = plan_warning(plan, model_name)
     if message:
-        warnings.warn(message, stacklevel=2)
+        warnings.warn(message, errors.GraphckptWarning, stacklevel=2)

@@ -97,6 +97,7 @@ class Comparison:
         peak_ratio: median over repeats of candidate peak / baseline peak
             (runs paired in order), or None if either side failed.
         time_ratio: the same for the median step time.
+        cpu_ratio: the same for the median CPU time of a step.
     """
 
     baseline: tuple
@@ -106,22 +107,32 @@ class Comparison:
     def ok(self):
         return all(m.ok for m in self.baseline + self.candidate)
 
-    def _ratios(self, attr):
+    def ratios(self, attr):
+        """Candidate / baseline of the `Measurement` attribute `attr`
+        (`"peak_bytes"`, `"step_time_s"`, `"step_cpu_s"`), one per pair of
+        runs that both completed, in run order."""
         pairs = [
             (getattr(c, attr), getattr(b, attr))
             for b, c in zip(self.baseline, self.candidate)
-            if b.ok and c.ok and getattr(b, attr)
+            if b.ok and c.ok and getattr(b, attr) and getattr(c, attr) is not None
         ]
         return [c / b for c, b in pairs]
 
     @property
     def peak_ratio(self):
-        r = self._ratios("peak_bytes")
+        r = self.ratios("peak_bytes")
         return statistics.median(r) if r else None
 
     @property
     def time_ratio(self):
-        r = self._ratios("step_time_s")
+        r = self.ratios("step_time_s")
+        return statistics.median(r) if r else None
+
+    @property
+    def cpu_ratio(self):
+        """The same for the median CPU time of a step (less sensitive than
+        wall time to other load on the machine)."""
+        r = self.ratios("step_cpu_s")
         return statistics.median(r) if r else None
 
     def to_dict(self):
@@ -130,6 +141,11 @@ class Comparison:
             "candidate": [m.to_dict() for m in self.candidate],
             "peak_ratio": self.peak_ratio,
             "time_ratio": self.time_ratio,
+            "cpu_ratio": self.cpu_ratio,
+            # Every pair's ratio: their spread is how far to trust the medians.
+            "peak_ratios": self.ratios("peak_bytes"),
+            "time_ratios": self.ratios("step_time_s"),
+            "cpu_ratios": self.ratios("step_cpu_s"),
         }
 
 

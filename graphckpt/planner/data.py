@@ -133,19 +133,20 @@ class Plan:
             A multi-line string (plans are data; printing is the caller's).
         """
         batch = "per example" if self.batch_size is None else f"batch {self.batch_size}"
-        lines = [f"{self!r}", f"{len(self.segments)} segments over {self.num_layer_calls} layer calls ({batch}):"]
+        lines = [
+            f"{self!r}",
+            f"{_plural(len(self.segments), 'segment')} over {_plural(self.num_layer_calls, 'layer call')} ({batch}):",
+        ]
         for seg in self.segments:
             how = "recomputed" if seg.remat else "runs as it is"
-            span = f"{_name(seg.nodes[0])} .. {_name(seg.nodes[-1])}" if seg.nodes else "(empty)"
             lines.append(
-                f"  {seg.index:3d}: {len(seg.nodes):4d} calls, {how:13s} {span}  "
-                f"({len(seg.inputs)} tensors in, {len(seg.outputs)} out)"
+                f"  {seg.index:3d}: {_plural(len(seg.nodes), 'call', 5)}, {how + ':':14s} {_span(seg.nodes)}  "
+                f"({_plural(len(seg.inputs), 'tensor')} in, {len(seg.outputs)} out)"
             )
             for sub in seg.inner:
                 sub_how = "recomputed again" if sub.remat else "kept"
                 lines.append(
-                    f"       {seg.index}.{sub.index}: {len(sub.nodes):4d} calls, {sub_how:16s} "
-                    f"{_name(sub.nodes[0])} .. {_name(sub.nodes[-1])}"
+                    f"       {seg.index}.{sub.index}: {_plural(len(sub.nodes), 'call', 5)}, {sub_how + ':':17s} {_span(sub.nodes)}"
                 )
             if nodes:
                 lines.extend(f"         {_name(n)}" for n in seg.nodes)
@@ -181,6 +182,18 @@ def format_bytes(n):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+def _plural(n, word, width=0):
+    """`'1 call'`, `'   6 calls'`: the count right-aligned in `width`."""
+    return f"{n:{width}d} {word}" + ("" if n == 1 else "s")
+
+
+def _span(nodes):
+    """`'dense .. dense_5'`, or one name for a segment of one call."""
+    if not nodes:
+        return "(empty)"
+    return _name(nodes[0]) if len(nodes) == 1 else f"{_name(nodes[0])} .. {_name(nodes[-1])}"
 
 
 def _name(node):
