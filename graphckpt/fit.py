@@ -69,8 +69,21 @@ class _Cache:
         self.twins = {}
 
 
-def _check_flag(gradient_checkpointing, budget):
-    """The `segments=` / `budget=` arguments the flag stands for, or None."""
+def _check_flag(gradient_checkpointing, budget, open_layers=False):
+    """The planner arguments (`segments=`, `budget=`, `open_layers=`) the
+    flag stands for, or None."""
+    planner_kwargs = _check_segments(gradient_checkpointing, budget)
+    if not open_layers:
+        return planner_kwargs
+    if planner_kwargs is None:
+        raise errors.InvalidArgumentError(
+            f"`open_layers` needs gradient checkpointing on. Received: gradient_checkpointing="
+            f"{gradient_checkpointing!r}, open_layers={open_layers!r}. Tip: add `gradient_checkpointing=True`."
+        )
+    return dict(planner_kwargs, open_layers=True)
+
+
+def _check_segments(gradient_checkpointing, budget):
     flag = gradient_checkpointing
     if flag is None or flag is False:
         if budget is not None and flag is False:
@@ -241,7 +254,7 @@ def _fit_argument(original, model, args, kwargs, name, default):
 _FLAG_DOC = """
 
     graphckpt (installed by `graphckpt.install()`; `graphckpt.uninstall()`
-    removes it) adds two keyword-only arguments:
+    removes it) adds three keyword-only arguments:
 
         gradient_checkpointing: True or "auto" (the number of segments,
             and where they go, with the least estimated peak), "sqrt"
@@ -256,13 +269,17 @@ _FLAG_DOC = """
             ("2GiB", an int; for a batch of `batch_size`, default 32) or a
             fraction of the baseline (0.3). It implies checkpointing; the
             planner recomputes only where memory requires it.
+        open_layers: also cut inside composite layers (a layer whose
+            `call` calls other layers: keras_hub's `ViTEncoder`, Keras's
+            `MultiHeadAttention`), as `graphckpt.checkpoint_model` does.
+            Experimental; default False.
 """
 
 
 def _make_wrapper(original):
     @functools.wraps(original)
-    def fit(self, *args, gradient_checkpointing=None, budget=None, **kwargs):
-        planner_kwargs = _check_flag(gradient_checkpointing, budget)
+    def fit(self, *args, gradient_checkpointing=None, budget=None, open_layers=False, **kwargs):
+        planner_kwargs = _check_flag(gradient_checkpointing, budget, open_layers)
         if planner_kwargs is None:
             return original(self, *args, **kwargs)
         return _checkpointed_fit(original, self, planner_kwargs, args, kwargs)
@@ -271,6 +288,7 @@ def _make_wrapper(original):
     extra = [
         inspect.Parameter("gradient_checkpointing", inspect.Parameter.KEYWORD_ONLY, default=None),
         inspect.Parameter("budget", inspect.Parameter.KEYWORD_ONLY, default=None),
+        inspect.Parameter("open_layers", inspect.Parameter.KEYWORD_ONLY, default=False),
     ]
     fit.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + extra)
     fit.__doc__ = (original.__doc__ or "") + _FLAG_DOC
@@ -278,7 +296,7 @@ def _make_wrapper(original):
     return fit
 
 
-def fit(model, *args, gradient_checkpointing=True, budget=None, **kwargs):
+def fit(model, *args, gradient_checkpointing=True, budget=None, open_layers=False, **kwargs):
     """`model.fit(*args, **kwargs)` with gradient checkpointing, without
     `install()`: nothing in Keras is patched.
 
@@ -293,6 +311,8 @@ def fit(model, *args, gradient_checkpointing=True, budget=None, **kwargs):
         gradient_checkpointing: True or "auto" (default), "sqrt", or an int
             number of segments; False or None: plain `fit`.
         budget: a memory budget, as `graphckpt.checkpoint_model` takes it.
+        open_layers: cut inside composite layers too, as
+            `graphckpt.checkpoint_model` does (experimental).
         **kwargs: `fit`'s other keyword arguments.
 
     Returns:
@@ -318,7 +338,7 @@ def fit(model, *args, gradient_checkpointing=True, budget=None, **kwargs):
             "`graphckpt.install()`, then `model.fit(..., gradient_checkpointing=True)`, which runs your `fit`."
         )
     original = _state["original"] if is_installed() else keras.Model.fit
-    planner_kwargs = _check_flag(gradient_checkpointing, budget)
+    planner_kwargs = _check_flag(gradient_checkpointing, budget, open_layers)
     if planner_kwargs is None:
         return original(model, *args, **kwargs)
     return _checkpointed_fit(original, model, planner_kwargs, args, kwargs)

@@ -171,3 +171,45 @@ def test_a_saved_opened_plan_loads_with_the_same_segments(tmp_path):
     assert [len(s.nodes) for s in loaded.plan.segments] == [len(s.nodes) for s in ck.plan.segments]
     x = _x()
     np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(ck(x)), rtol=1e-6, atol=1e-6)
+
+
+def test_a_vit_classifier_through_the_fit_flag_trains_as_plain_fit(installed):
+    """keras_hub's ViT runs every block inside one `ViTEncoder` call: with
+    `open_layers=True` the flag cuts between and inside them, and trains
+    the task model's own weights as plain `fit` does: within the noise
+    plain `fit` itself shows between its graph and eager runs (TensorFlow's
+    graph rewrites round the two graphs differently; tests/test_onednn.py)."""
+    keras_hub = pytest.importorskip("keras_hub")
+
+    def build(**compile_kwargs):
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.ViTBackbone(
+            image_shape=(32, 32, 3), patch_size=8, num_layers=3, num_heads=2, hidden_dim=16, mlp_dim=32,
+            dropout_rate=0.1, attention_dropout=0.1,
+        )
+        model = keras_hub.models.ViTImageClassifier(backbone=backbone, num_classes=3, preprocessor=None)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", **compile_kwargs)
+        return model
+
+    x = np.random.default_rng(0).normal(size=(8, 32, 32, 3)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 3, size=(8,))
+    runs = {}
+    for name, compile_kwargs, flag in [
+        ("plain", {}, {}),
+        ("eager", {"run_eagerly": True}, {}),
+        ("opened", {}, {"gradient_checkpointing": 5, "open_layers": True}),
+    ]:
+        model = build(**compile_kwargs)
+        keras.utils.set_random_seed(3)
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, **flag)
+        runs[name] = (np.array(history.history["loss"]), [to_numpy(v.value) for v in model.weights], model)
+    plain, eager, opened = runs["plain"], runs["eager"], runs["opened"]
+    np.testing.assert_allclose(opened[0], plain[0], rtol=1e-4)
+    for p, e, o in zip(plain[1], eager[1], opened[1]):
+        assert np.max(np.abs(o - p)) <= 2 * np.max(np.abs(e - p)) + 1e-6
+    from graphckpt.fit import _CACHE_ATTR
+
+    cache = opened[2].__dict__[_CACHE_ATTR]
+    ((twin, plan),) = cache.plans.values()
+    assert plan.open_layers and any("vit_encoder/" in seg.nodes[0][0] for seg in plan.segments[1:])
+    assert all(s.forward_calls >= 2 for s in twin.segments)
