@@ -160,7 +160,7 @@ def test_cli_measures_a_sequential_model(tmp_path):
     path = tmp_path / "seq.keras"
     model.save(path)
     out = tmp_path / "m.json"
-    argv = ["measure", str(path), "--batch-size", "4", "--steps", "1", "--segments", "2", "--json", str(out)]
+    argv = ["measure", str(path), "--batch-size", "4", "--steps", "1", "--segments", "2", "--repeats", "1", "--json", str(out)]
     assert cli.main(argv) == 0
     data = json.loads(out.read_text())
     (base,), (cand,) = data["baseline"], data["candidate"]
