@@ -27,8 +27,9 @@ Contract:
 - `graph.graph["state_chains"]` lists tuples of layer calls that share
   state (the non-trainable variables of a shared BatchNormalization or
   Dropout; for all Lambda and custom layers, whatever their code may share,
-  such as Keras's global seed generator), each in Keras's execution order:
-  they must run in that order.
+  such as Keras's global seed generator; the mask attached to a tensor its
+  readers share), each in Keras's execution order: they must run in that
+  order (`graphckpt.chains`).
 - `graph.graph["kept_whole"]` maps the path of each nested model's call that
   stays one node to why (`kept_whole_note` puts it in words for warnings).
 - `graph.graph["tensors"]` maps each tensor key to a `TensorInfo`;
@@ -49,6 +50,7 @@ import math
 import networkx as nx
 
 from graphckpt import keras_compat
+from graphckpt.chains import state_chains
 from graphckpt.nesting import called_on, flattenable, functional_of, kept_whole_note, nodes_of
 
 __all__ = [
@@ -155,48 +157,6 @@ def dependencies(model, outputs=None):
     return needed, list(read.values())
 
 
-def _runs_user_code(layer):
-    """Whether `layer`, or a layer nested in it, runs code graphckpt cannot
-    see into: a Lambda, or a layer or op defined outside Keras."""
-    import keras
-
-    inner = keras_compat.sublayers(layer) if isinstance(layer, keras.layers.Layer) else [layer]
-    return any(isinstance(op, keras.layers.Lambda) or not type(op).__module__.startswith("keras.") for op in inner)
-
-
-def _state_chains(graph):
-    """Chains of layer calls that share state, each in Keras's execution
-    order.
-
-    A layer called twice (or a nested model holding it) updates the same
-    BatchNormalization statistics or seed-generator state on each call, and
-    each call reads what the one before it wrote: such calls only give the
-    original's results in the original's order. User code (Lambda and custom
-    layers) may share state no layer owns, e.g. Keras's global seed generator
-    (`keras.random.*` with `seed=None`), so all its calls form one chain too.
-    On PyTorch, so do the calls whose dropout draws from torch's global
-    generator (a layer with a `SeedGenerator` made without a seed): in another
-    order they would draw other masks than the original's.
-    """
-    import keras
-
-    torch_generator = keras.backend.backend() == "torch"
-    by_variable = {}
-    calls = sorted(graph.nodes(data=True), key=lambda item: item[1]["position"])
-    for key, data in calls:
-        if data["kind"] == "input":
-            continue
-        layer = data["layer"]
-        for v in getattr(layer, "non_trainable_variables", ()):  # ops have none
-            by_variable.setdefault(id(v), []).append(key)
-        if _runs_user_code(layer):
-            by_variable.setdefault("user code", []).append(key)
-        if torch_generator and isinstance(layer, keras.layers.Layer) and keras_compat.draws_from_torch_global_generator(layer):
-            by_variable.setdefault("torch's global generator", []).append(key)
-    chains = (tuple(keys) for keys in by_variable.values() if len(keys) > 1)
-    return list(dict.fromkeys(chains))
-
-
 class _Builder:
     """Adds the layer calls of a functional model to a graph, flattening
     nested models' calls (see `graphckpt.nesting.flattenable`)."""
@@ -220,6 +180,7 @@ class _Builder:
         keys = dict(bound or {})
         nodes = nodes_of(fn)
         consumed = {id(t) for n in nodes for t in n.input_tensors} | {id(t) for t in fn.outputs}
+        read = set()  # ids of the tensors the calls so far read
         for node in nodes:
             if node.is_input:
                 if bound is None:
@@ -227,7 +188,8 @@ class _Builder:
                     keys[id(node.outputs[0])] = tensor_key(node.outputs[0])
                 continue
             in_keys = [keys[id(t)] for t in node.input_tensors]
-            inner, outer, opens = self._inner(node, consumed, prefix)
+            inner, outer, opens = self._inner(node, consumed, prefix, read)
+            read.update(id(t) for t in node.input_tensors)
             if inner is None:
                 out_keys = self._add_node(node, prefix, in_keys, training, scope, opened=opened, root=root)
             else:
@@ -250,12 +212,13 @@ class _Builder:
             keys.update((id(t), k) for t, k in zip(node.outputs, out_keys))
         return keys
 
-    def _inner(self, node, consumed, prefix):
+    def _inner(self, node, consumed, prefix, read):
         """`(Functional, outer tensors, opened)` to flatten in place of
         `node`'s call (a nested model's graph, or a composite layer's opened
         one if `opened`, bound to the tensors it was called on), or `(None,
         None, False)`; records why a nested model stays whole (`whole`) or a
-        composite layer closed (`not_opened`)."""
+        composite layer closed (`not_opened`). `read`: ids of the tensors
+        the calls before it read."""
         import keras
         from keras import tree
 
@@ -264,7 +227,7 @@ class _Builder:
         op = node.operation
         clash = id(op) in self.keep_whole
         if isinstance(op, keras.Model) or not self.open_layers:
-            inner, why = (None, _CLASH) if clash else flattenable(node, consumed)
+            inner, why = (None, _CLASH) if clash else flattenable(node, consumed, read)
             if why is not None:
                 self.whole[prefix + op.name] = why
             return (inner, tree.flatten(called_on(node)), False) if inner is not None else (None, None, False)
@@ -356,7 +319,7 @@ def build_graph(model, open_layers=False):
         keep_whole |= clashes
     graph = builder.graph
     graph.graph["tensors"] = builder.tensors
-    graph.graph["state_chains"] = _state_chains(graph)
+    graph.graph["state_chains"] = state_chains(graph)
     graph.graph["inputs"] = [keys[id(t)] for t in fn.inputs]
     graph.graph["outputs"] = [keys[id(t)] for t in fn.outputs]
     graph.graph["name"] = model.name

@@ -23,7 +23,7 @@ def functional_of(model):
     return model
 
 
-def flattenable(node, consumed):
+def flattenable(node, consumed, read=frozenset()):
     """`(Functional, None)` to flatten in place of `node`'s call, or
     `(None, reason)` to keep the call as one node (`reason` None for a call
     that is not a nested model's).
@@ -34,7 +34,9 @@ def flattenable(node, consumed):
     override), it is called on one structure of tensors that matches its
     inputs in count, dtype and rank (so Keras converts and reshapes nothing),
     with no argument but its inputs (by position or as `inputs=`) and
-    `training`, and no mask; and every call and input
+    `training`, and masks only where Keras fills them in itself (each the
+    mask its input carries, which no call before it has read: see
+    `_masks_already_attached`); and every call and input
     inside it leads to an output used outside it (so no call, of it or
     before it, becomes dead code that the original would still run).
     """
@@ -53,10 +55,10 @@ def flattenable(node, consumed):
     kwargs = node.arguments.kwargs
     if set(kwargs) - {"inputs", "training", "mask"} or len(node.arguments.args) + ("inputs" in kwargs) != 1:
         return None, "it is called with arguments besides its inputs and `training`"
-    if any(m is not None for m in tree.flatten(kwargs.get("mask"))):
-        return None, "it is called with a mask"  # Keras fills in `mask` itself, all None without masks
     structure = called_on(node)
     outer = tree.flatten(structure)
+    if not _masks_already_attached(outer, kwargs.get("mask"), read):
+        return None, "it is called with a mask that its input may not carry then"
     mismatch = "it is called on tensors whose number, dtype or rank differ from its inputs'"
     if len(outer) != len(inner.inputs) or not all(
         _is_keras_tensor(t) and t.dtype == x.dtype and len(t.shape) == len(x.shape) for t, x in zip(outer, inner.inputs)
@@ -82,6 +84,28 @@ def flattenable(node, consumed):
     if not all(id(x) in live for x in inner.inputs):
         return None, "one of its inputs leads to no output that anything outside it reads"
     return inner, None
+
+
+def _masks_already_attached(outer, mask, read):
+    """Whether each mask a nested call passes (`mask`, one per tensor in
+    `outer`, or None) is None, or the mask its tensor carries, read by no
+    call before (ids of the tensors those read: `read`).
+
+    `Functional.call` attaches the masks it is given to its inputs, and its
+    layers read them from there; Keras fills in `mask` itself with the masks
+    the inputs carry. Replayed in place of the call, the inner layers get
+    the outer tensors themselves, with the masks they carry at run time: the
+    same, unless a call before changed them (Keras's MultiHeadAttention
+    removes the masks of its inputs), which the nested call would undo.
+    """
+    from keras import tree
+
+    masks = tree.flatten(mask)
+    if all(m is None for m in masks):
+        return True
+    return len(masks) == len(outer) and all(
+        m is None or (m is keras_compat.get_keras_mask(t) and id(t) not in read) for m, t in zip(masks, outer)
+    )
 
 
 def called_on(node):

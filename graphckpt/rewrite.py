@@ -244,7 +244,11 @@ def _add_segment(graph, seg, values, calls, policy, names, prefix="segment_"):
     name = names.segment(seg, prefix)
     sub = _segment_model(graph, seg, name, policy, names)
     layer = Segment(sub, live_outputs=_live(seg, names.live), name=name, dtype=policy)
-    outs = layer([values[k] for k in seg.inputs])
+    # `mask` given as None for each input, so that Keras records no masks
+    # of its own: at run time the segment reads the masks its inputs carry
+    # then, as the layers inside did in the original (a layer before may
+    # have removed one since it was made).
+    outs = layer([values[k] for k in seg.inputs], mask=[None] * len(seg.inputs))
     calls.append(keras_compat.inbound_nodes(layer)[-1])
     values.update(zip(seg.outputs, outs))
 

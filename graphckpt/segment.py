@@ -26,7 +26,14 @@ Recompute that differs from the forward pass gives wrong gradients, so:
   scope and returned as outputs of the rematerialized function, then added
   to this layer, so their gradients flow. Weight regularizers are computed
   from the variables by `Model.losses` and need nothing here.
-- **Masks** cross the segment boundary explicitly, both ways.
+- **Masks.** Keras attaches a mask to a tensor (`_keras_mask`), and the
+  layers after read it from there. Every run of the sub-model, forward and
+  recompute, starts with the masks the inputs carried when the segment was
+  called, attached to its inputs (the recompute's are new tensors). The
+  outputs' masks, and what the layers left of the inputs' masks (Keras's
+  MultiHeadAttention removes them), are returned from the rematerialized
+  function and attached to the outer tensors, as in the original, where
+  they were the same tensors.
 - **Logits.** A softmax or sigmoid output carries its logits
   (`_keras_logits`), from which TensorFlow's crossentropy losses compute
   the loss instead of from clipped probabilities. They are returned from the
@@ -40,6 +47,8 @@ never takes the rematerialization path.
 """
 
 import contextlib
+import re
+import warnings
 
 import keras
 from keras import ops
@@ -141,6 +150,17 @@ def _check_no_lost_assignments(segment, before, after, created=()):
         )
 
 
+def _call_masked(model, inputs, training, masks):
+    """`model(inputs, training=training, mask=masks)`, without the warning
+    Keras gives whenever a functional model gets a mask: `Functional.call`
+    attaches the masks to its inputs, and its layers apply them, but
+    `Layer.__call__` then warns that the model "does not support masking"."""
+    with warnings.catch_warnings():
+        message = f"Layer '{re.escape(model.name)}' \\(of type \\w+\\) was passed an input with a mask"
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        return model(inputs, training=training, mask=masks)
+
+
 @keras.saving.register_keras_serializable(package="graphckpt")
 class Segment(keras.layers.Layer):
     """Runs a functional sub-model with exact rematerialization in training.
@@ -156,7 +176,8 @@ class Segment(keras.layers.Layer):
     Call arguments:
         inputs: a list of tensors, one per sub-model input.
         training: rematerialize when true; call directly otherwise.
-        mask: optional list of masks, one per input.
+        mask: optional list of masks, one per input; where None (or
+            absent), the mask the input carries.
 
     Returns:
         A list of tensors, one per sub-model output, with masks attached.
@@ -191,8 +212,14 @@ class Segment(keras.layers.Layer):
     def call(self, inputs, training=None, mask=None):
         inputs = list(inputs)
         masks = list(mask) if mask is not None else [None] * len(inputs)
+        # Where no mask is given, the one the input carries: Keras attaches
+        # masks to tensors, and the layers inside read them from there, as
+        # they did in the original model. The rewrite passes none (see
+        # `graphckpt.rewrite`), so each call reads what its inputs carry
+        # when it runs.
+        masks = [keras_compat.get_keras_mask(x) if m is None else m for x, m in zip(inputs, masks)]
         if not training:
-            outputs = self.model(inputs, training=training, mask=masks)
+            outputs = _call_masked(self.model, inputs, training, masks)
             return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         return self._remat_call(inputs, masks)
 
@@ -254,6 +281,12 @@ class Segment(keras.layers.Layer):
             for i, x in zip(float_idx, args):
                 ps[i] = x
             xs = [pack(ps[start : start + n]) for start, n, pack in packs]
+            # The masks this run starts from, attached to its inputs: the
+            # recompute's inputs are new tensors (on PyTorch, the forward
+            # pass's own, which later layers may have changed the masks of).
+            ms = tie(masks)
+            for x, m in zip(xs, ms):
+                keras_compat.set_keras_mask(x, m)
             values = tie([x for _, x in closed]) + list(args[len(float_idx) :])
             with _no_autocast():
                 scope = keras.StatelessScope(
@@ -262,9 +295,14 @@ class Segment(keras.layers.Layer):
             with scope:
                 before = dict(scope.state_mapping)
                 with keras_compat.freeing_dead_tensors(model):
-                    outs = model(xs, training=True, mask=masks)
+                    outs = _call_masked(model, xs, True, ms)
                 outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
                 out_masks = [keras_compat.get_keras_mask(o) for o in outs]
+                # Layers change the masks of their inputs too (Keras's
+                # MultiHeadAttention removes them, a nested model's call
+                # sets them), and later layers outside read what is left.
+                in_masks = [keras_compat.get_keras_mask(x) for x in xs]
+                changed = tuple(i for i, (m, after) in enumerate(zip(ms, in_masks)) if after is not m)
                 out_logits = [keras_compat.logits_of(o) for o in outs]
                 updated = [
                     i
@@ -292,6 +330,9 @@ class Segment(keras.layers.Layer):
                 # Softmax and sigmoid outputs carry their logits, which
                 # crossentropy losses read instead of clipped probabilities.
                 tuple(i for i, x in enumerate(out_logits) if x is not None),
+                # Inputs whose masks the layers removed, and replaced.
+                tuple(i for i in changed if in_masks[i] is None),
+                tuple(i for i in changed if in_masks[i] is not None),
             )
             if layout.setdefault("found", found) != found:
                 raise RuntimeError(
@@ -300,6 +341,7 @@ class Segment(keras.layers.Layer):
                 )
             # Masks travel as floats: no gradient, no bool arithmetic in remat.
             float_masks = [ops.cast(out_masks[i], "float32") for i in found[1]]
+            float_masks += [ops.cast(in_masks[i], "float32") for i in found[7]]
             logits = [out_logits[i] for i in found[5]]
             return tuple([outs[i] for i in found[4]] + logits + float_masks + new_state + losses)
 
@@ -314,7 +356,7 @@ class Segment(keras.layers.Layer):
             # the snapshot, as every later call does (the results above are
             # dropped; nothing of them was assigned).
             return self._remat_call(inputs, masks)
-        n_out, masked, updated, n_losses, out_order, with_logits = layout["found"]
+        n_out, masked, updated, n_losses, out_order, with_logits, cleared, replaced = layout["found"]
         outs = [None] * n_out
         for i, x in zip(out_order, results[:n_out]):
             outs[i] = x
@@ -325,6 +367,14 @@ class Segment(keras.layers.Layer):
         for i, m in zip(masked, rest[: len(masked)]):
             keras_compat.set_keras_mask(outs[i], ops.cast(m, "bool"))
         rest = rest[len(masked) :]
+        # What the layers did to the masks of the inputs, the outer tensors
+        # show too, as in the original model, where they were the same
+        # tensors (the forward pass may have run on others: JAX traces it).
+        for i in cleared:
+            keras_compat.set_keras_mask(inputs[i], None)
+        for i, m in zip(replaced, rest[: len(replaced)]):
+            keras_compat.set_keras_mask(inputs[i], ops.cast(m, "bool"))
+        rest = rest[len(replaced) :]
         for i, value in zip(updated, rest[: len(updated)]):
             state[i].assign(value)
         losses = rest[len(updated) :]

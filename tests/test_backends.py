@@ -163,7 +163,7 @@ def _two_branches_with_dropout():
 def test_unseeded_dropout_on_two_branches_draws_the_original_masks():
     """On PyTorch, Keras's dropout with an unseeded `SeedGenerator` draws
     from torch's global generator, so masks depend on the order of the
-    calls: such calls keep Keras's order (`graph._state_chains`). Before,
+    calls: such calls keep Keras's order (`chains.state_chains`). Before,
     the planner's as-soon-as-possible order ran the short branch's Dropout
     first, and a checkpointed BartBackbone's outputs differed from the
     original's on PyTorch."""

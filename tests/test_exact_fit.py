@@ -356,10 +356,12 @@ def _params():
 @pytest.mark.parametrize("name,mode", list(_params()))
 def test_fit_equals_plain_fit(name, mode):
     start, want_histories, want_state = reference(name)
-    _assert_trains_alike(run(CASES[name], mode, start=start), want_histories, want_state)
+    assert_trains_alike(run(CASES[name], mode, start=start), want_histories, want_state)
 
 
-def _assert_trains_alike(result, want_histories, want_state):
+def assert_trains_alike(result, want_histories, want_state):
+    """`result` (from `run`: initial state, histories, final state) has the
+    loss histories and final variables of the reference, to rtol 1e-5."""
     _, histories, state = result
     assert len(histories) == len(want_histories)
     for got, want in zip(histories, want_histories):
