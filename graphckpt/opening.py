@@ -33,8 +33,6 @@ model is built from the same objects every time, and the names of the ops
 inside are derived from the layer's name (a saved plan names them).
 """
 
-import weakref
-
 import keras
 from keras import tree
 
@@ -42,8 +40,17 @@ from graphckpt import keras_compat
 
 __all__ = ["open_call"]
 
-_OPENED = weakref.WeakKeyDictionary()  # layer -> {signature: (Functional | None, reason)}
+_CACHE_ATTR = "_graphckpt_opened"  # on the layer: {signature: (Functional | None, reason)}
 _ARGS = ("training",)
+
+
+class _Opened:
+    """A layer's opened graphs by call signature (`graphs`). A plain object,
+    set with `object.__setattr__`, so Keras neither tracks the Functionals
+    in it as sublayers nor walks them when saving; it dies with the layer."""
+
+    def __init__(self):
+        self.graphs = {}
 
 
 def _signature(node):
@@ -64,7 +71,11 @@ def open_call(node):
         return None, None
     if not keras_compat.has_sublayers(layer):
         return None, None
-    cache = _OPENED.setdefault(layer, {})
+    opened = layer.__dict__.get(_CACHE_ATTR)
+    if opened is None:
+        opened = _Opened()
+        object.__setattr__(layer, _CACHE_ATTR, opened)
+    cache = opened.graphs
     key = _signature(node)
     if key not in cache:
         cache[key] = _open(layer, node)
