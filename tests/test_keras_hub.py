@@ -317,8 +317,11 @@ def test_task_models_train_exactly_through_the_fit_flag(installed, arch, segment
     assert got.keys() == want.keys()
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=key)
+    # JAX: equal to rounding, not bit for bit (limitations.md); one element
+    # of Gemma3's embedding ends 2e-6 apart after these steps.
+    atol = 5e-6 if keras.backend.backend() == "jax" else 1e-6
     for a, b in zip(model.weights, plain.weights):
-        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-4, atol=1e-6, err_msg=a.path)
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-4, atol=atol, err_msg=a.path)
     assert type(model) is cls and "call" not in model.__dict__
     (twin,) = model.__dict__[_CACHE_ATTR].twins.values()
     assert {id(v) for v in twin.model.weights} == {id(v) for v in model.weights}

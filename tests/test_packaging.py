@@ -86,7 +86,11 @@ def _make_dry_run(target):
 
     if shutil.which("make") is None:
         pytest.skip("no make")
-    proc = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # --no-print-directory: under `make test` (CI) this is a sub-make, which
+    # would print "Entering/Leaving directory" lines around the commands.
+    proc = subprocess.run(
+        ["make", "-n", "-B", "--no-print-directory", target], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
