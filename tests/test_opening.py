@@ -179,7 +179,8 @@ def test_a_vit_classifier_through_the_fit_flag_trains_as_plain_fit(installed):
     the task model's own weights as plain `fit` does: within the noise
     plain `fit` itself shows between its graph and eager runs (TensorFlow's
     graph rewrites round the two graphs differently; tests/test_onednn.py)."""
-    keras_hub = pytest.importorskip("keras_hub")
+    # keras-hub 0.32 fails to import on keras-nightly (a name it imports moved).
+    keras_hub = pytest.importorskip("keras_hub", exc_type=ImportError)
 
     def build(**compile_kwargs):
         keras.utils.set_random_seed(0)
