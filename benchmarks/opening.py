@@ -7,6 +7,13 @@ all run in one `ViTEncoder` call (`--family vit_tiny`). Fresh process per
 run, methods alternated, medians.
 
     PYTHONPATH=. .venv/bin/python benchmarks/opening.py --family vit_tiny [--rounds 3]
+
+`--family gpt2`: keras_hub's GPT2Backbone 12 x 256 at sequence 512, batch 8
+(benchmarks/hub.py's), whose decoders open only at the planned shapes. It
+adds budget plans with open layers, at the default plan's estimated peak x
+1.05 and at 0.45 of the estimated baseline (the planner picks what to keep
+inside the blocks), and the named policy `save_projections` (Megatron's
+selective recompute: projections kept, attention core recomputed).
 """
 
 import argparse
@@ -24,29 +31,72 @@ METHODS = {
 }
 
 
+HUB = str(pathlib.Path(__file__).with_name("hub.py"))
+
+
+def _gpt2_methods(shape):
+    """The methods for `--family gpt2`, budgets from the estimates."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import warnings
+
+    import hub
+
+    import graphckpt
+
+    model = hub.gpt2_backbone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        default = graphckpt.plan(model, input_shape=shape)
+    opened = dict(open_layers=True, input_shape=shape)
+    return {
+        "baseline": dict(method="baseline"),
+        "graphckpt (blocks whole)": dict(method="graphckpt", checkpoint_kwargs={"input_shape": shape}),
+        "graphckpt open_layers": dict(method="graphckpt", checkpoint_kwargs=opened),
+        "open, budget default x1.05": dict(
+            method="graphckpt", checkpoint_kwargs=dict(opened, budget=int(default.estimated_peak_bytes * 1.05))
+        ),
+        "open, budget x0.45": dict(
+            method="graphckpt", checkpoint_kwargs=dict(opened, budget=int(default.baseline_peak_bytes * 0.45))
+        ),
+        "open, save_projections": dict(method="graphckpt", checkpoint_kwargs=dict(opened, policy="save_projections")),
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=["user_blocks", "vit_tiny"], default="user_blocks")
+    parser.add_argument("--family", choices=["user_blocks", "vit_tiny", "gpt2"], default="user_blocks")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     kwargs = {"seq_len": args.seq_len} if args.family == "user_blocks" else {}
-    builder = f"{FAMILIES}:{args.family}"
-    runs = {name: [] for name in METHODS}
+    builder, methods, extra = f"{FAMILIES}:{args.family}", METHODS, {}
+    if args.family == "gpt2":
+        shape = {"token_ids": (args.batch_size, args.seq_len), "padding_mask": (args.batch_size, args.seq_len)}
+        builder, methods, extra = f"{HUB}:gpt2_backbone", _gpt2_methods(shape), {"input_shape": shape, "timeout": 1800}
+    runs = {name: [] for name in methods}
     for _ in range(args.rounds):
-        for name, method in METHODS.items():
-            m = measure(builder, batch_size=args.batch_size, builder_kwargs=kwargs, label=name, **method)
-            runs[name].append((m.peak_bytes, m.step_time_s))
-    base_peak = statistics.median(p for p, _ in runs["baseline"])
-    base_time = statistics.median(t for _, t in runs["baseline"])
+        for name, method in methods.items():
+            m = measure(builder, batch_size=args.batch_size, builder_kwargs=kwargs, label=name, **extra, **method)
+            if not m.ok:
+                print(f"{name}: FAILED {m.error[:300]}", flush=True)
+                continue
+            print(f"  {name:28s} peak {m.peak_bytes / 2**20:8.1f} MiB  step {m.step_time_s:.2f} s  cpu {m.step_cpu_s:.2f} s",
+                  flush=True)
+            runs[name].append((m.peak_bytes, m.step_time_s, m.step_cpu_s))
+    base_peak, base_time, base_cpu = (statistics.median(r[i] for r in runs["baseline"]) for i in range(3))
     rows = []
     for name, values in runs.items():
-        peak = statistics.median(p for p, _ in values)
-        time = statistics.median(t for _, t in values)
-        rows.append({"method": name, "peak_MiB": peak / 2**20, "peak_x": peak / base_peak, "time_x": time / base_time})
-        print(f"{name:28s} peak {peak / 2**20:8.1f} MiB  x{peak / base_peak:.2f}   step time x{time / base_time:.2f}")
+        if not values:
+            continue
+        peak, time, cpu = (statistics.median(r[i] for r in values) for i in range(3))
+        rows.append({"method": name, "peak_MiB": peak / 2**20, "peak_x": peak / base_peak, "time_x": time / base_time,
+                     "cpu_x": cpu / base_cpu})
+        print(f"{name:28s} peak {peak / 2**20:8.1f} MiB  x{peak / base_peak:.3f}   step time x{time / base_time:.2f}"
+              f"   CPU x{cpu / base_cpu:.2f}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 

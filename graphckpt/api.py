@@ -18,9 +18,10 @@ from graphckpt import errors, keras_compat
 from graphckpt.budget import check_batch_size, choose_plan
 from graphckpt.checkpointed import checkpointed_model
 from graphckpt.graph import build_graph, functional_of, kept_whole_note
+from graphckpt.nesting import not_opened_note
 from graphckpt.plan import Plan
 from graphckpt.segment import Segment
-from graphckpt.shapes import InputShape, sized_graph
+from graphckpt.shapes import InputShape, open_graph, sized_graph
 
 __all__ = ["checkpoint_model", "plan", "planned", "Planned", "is_checkpointed"]
 
@@ -177,19 +178,27 @@ def _planned(
             "checkpoint the original model (`graphckpt.uncheckpoint` gives "
             "it back), or use the checkpointed one as it is."
         )
-    graph = build_graph(model, open_layers=open_layers)
-    if open_layers and input_shape is None:
-        # The shapes inside an opened layer are what its trace on the
-        # model's symbolic inputs gave, which can lose a dimension the
-        # layer itself knows (MultiHeadAttention's projections lose the
-        # sequence length): propagate the model's input shapes.
-        input_shape = [tuple(t.shape) for t in functional_of(model).inputs]
+    opened_at = None
+    if open_layers:
+        if batch_size is not None:
+            check_batch_size(build_graph(model), batch_size)  # before comparing it with `input_shape`
+        # Sized from the model's input shapes, where no `input_shape` is
+        # given: the shapes inside an opened layer are what its trace gave,
+        # which can lose a dimension the layer itself knows
+        # (MultiHeadAttention's projections lose the sequence length).
+        given = input_shape
+        graph, input_shape = open_graph(model, input_shape, batch_size)
+        opened_at = None if given is None else tuple(tuple(s) for s in input_shape)
+        if not_opened_note(graph):
+            warnings.warn(f"Model '{model.name}':{not_opened_note(graph)}", errors.GraphckptWarning, stacklevel=stacklevel)
+    else:
+        graph = build_graph(model)
     if batch_size is not None:
         check_batch_size(graph, batch_size)  # before comparing it with `input_shape`
     sized, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=stacklevel + 1)
     the_plan, unchanged = choose_plan(sized, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
     if open_layers:
-        the_plan = dataclasses.replace(the_plan, open_layers=True)
+        the_plan = dataclasses.replace(the_plan, open_layers=True, opened_at=opened_at)
     return Planned(graph, sized, the_plan, unchanged)
 
 

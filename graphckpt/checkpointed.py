@@ -30,6 +30,7 @@ from graphckpt import errors, keras_compat, weights
 from graphckpt.graph import build_graph, functional_of, saved_ordinals, tensor_key
 from graphckpt.plan import plan_from_boundaries
 from graphckpt.rewrite import rewrite
+from graphckpt.shapes import plan_graph
 
 __all__ = ["CheckpointedModel", "checkpointed_model", "uncheckpoint", "plan_to_config", "plan_from_config"]
 
@@ -88,6 +89,8 @@ def plan_from_config(graph, config):
     plan = plan_from_boundaries(graph, order, boundaries, strategy=config["strategy"], **kwargs)
     fields = {f.name for f in dataclasses.fields(plan)}
     info = {k: v for k, v in config.get("info", {}).items() if k in fields}
+    if info.get("opened_at") is not None:  # JSON lists
+        info["opened_at"] = tuple(tuple(s) for s in info["opened_at"])
     return dataclasses.replace(plan, **info)
 
 
@@ -298,13 +301,14 @@ class CheckpointedModel(keras.Model):
             "name": self.name,
             "trainable": self.trainable,
             "source": keras.saving.serialize_keras_object(source),
-            "plan": plan_to_config(build_graph(source, open_layers=self.plan.open_layers), self.plan),
+            "plan": plan_to_config(plan_graph(source, self.plan.open_layers, self.plan.opened_at), self.plan),
         }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         source = keras.saving.deserialize_keras_object(config["source"], custom_objects=custom_objects)
-        graph = build_graph(source, open_layers=config["plan"].get("info", {}).get("open_layers", False))
+        info = config["plan"].get("info", {})
+        graph = plan_graph(source, info.get("open_layers", False), info.get("opened_at"))
         model = checkpointed_model(source, graph, plan_from_config(graph, config["plan"]))
         model.trainable = config.get("trainable", True)
         return model

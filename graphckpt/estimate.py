@@ -13,9 +13,8 @@ Contract:
 - The peak itself comes from the planner's memory model
   (`graphckpt.plan.segment_peaks`): during the backward pass, for each
   segment in reverse order, the boundary tensors held for the earlier
-  segments plus the segment's own recompute peak. The baseline is the plan
-  with one segment that is not recomputed. The estimate and the budget
-  planner use the same numbers, so a budget plan's estimate is the planner's.
+  segments plus the segment's own recompute peak; the baseline is one
+  segment not recomputed. A budget plan's estimate is the planner's.
 - The figure is the peak training-step memory *above the resident state*
   (weights, optimizer slots, the batch), as `graphckpt.measure` reports it.
 - Shapes: the model's static shapes, with unknown dimensions given by
@@ -25,9 +24,7 @@ Contract:
   `input_shape`, else the model's fixed batch dimension, else none: the
   estimate is then **per example**, activation memory only
   (parameter-sized gradient buffers left out), which scales linearly with
-  the batch.
-
-All results are frozen dataclasses of plain values.
+  the batch. All results are frozen dataclasses of plain values.
 """
 
 from __future__ import annotations
@@ -51,7 +48,7 @@ from graphckpt.plan import (
     smallest_peak,
     topological_order,
 )
-from graphckpt.shapes import InputShape, propagate, sized_graph
+from graphckpt.shapes import InputShape, open_graph, propagate, sized_graph
 
 __all__ = [
     "CallEstimate",
@@ -394,7 +391,10 @@ def estimate(
         >>> e = estimate(model, graphckpt.plan(model), batch_size=32)
         >>> e.peak_bytes / e.baseline_peak_bytes
     """
-    graph = graph if graph is not None else build_graph(model)
+    if graph is None and isinstance(plan, Plan) and plan.open_layers:  # as the plan was made
+        graph, input_shape = open_graph(model, input_shape or plan.opened_at, batch_size)
+    elif graph is None:
+        graph = build_graph(model)
     if batch_size is not None:
         resolve_batch_size(graph, batch_size)  # checked before comparing it with `input_shape`
     if input_shape is not None or not graph.graph.get("shapes_resolved"):

@@ -24,7 +24,13 @@ def with_data_shapes(planner_kwargs, original, model, args, kwargs):
         batch_size = 32  # what `fit` uses for arrays
     without = dict(planner_kwargs, batch_size=batch_size) if "budget" in planner_kwargs else planner_kwargs
     shapes = data_shapes(x, batch_size, bound.get("validation_split") or 0.0)
-    return (without if shapes is None else dict(planner_kwargs, input_shape=shapes)), without
+    if shapes is None:
+        return without, without
+    each = shapes.values() if isinstance(shapes, dict) else [shapes] if isinstance(shapes, tuple) else shapes
+    with_shapes = dict(planner_kwargs, input_shape=shapes)
+    if not is_batched(x) and any(s[0] is None for s in each):
+        with_shapes["batch_size"] = batch_size  # the full batches' size, to estimate with
+    return with_shapes, without
 
 
 def _shape(dims):
@@ -53,7 +59,10 @@ def data_shapes(x, batch_size, validation_split):
         examples = int(leaves[0].shape[0])
         examples = int(math.ceil(examples * (1.0 - validation_split)))
         step = max(1, min(batch_size, examples))
-        return _as_input_shape(tree.map_structure(lambda a: (step,) + _shape(a.shape[1:]), x))
+        # A partial last batch: the batch dimension varies (None), as in
+        # the spec of a dataset that ends in one.
+        batch = step if examples % step == 0 else None
+        return _as_input_shape(tree.map_structure(lambda a: (batch,) + _shape(a.shape[1:]), x))
     spec = getattr(x, "element_spec", None)
     if spec is None:
         return None

@@ -161,9 +161,10 @@ class _Builder:
     """Adds the layer calls of a functional model to a graph, flattening
     nested models' calls (see `graphckpt.nesting.flattenable`)."""
 
-    def __init__(self, keep_whole=frozenset(), open_layers=False):
+    def __init__(self, keep_whole=frozenset(), open_layers=False, known_shapes=None):
         self.graph = nx.DiGraph()
         self.open_layers = open_layers  # open composite layers (graphckpt.opening)
+        self.known_shapes = known_shapes or {}  # node key -> its input shapes, where planned for some
         self.not_opened = {}  # path of a composite layer's call left closed -> why
         self.tensors = {}
         self.position = 0
@@ -231,7 +232,8 @@ class _Builder:
             if why is not None:
                 self.whole[prefix + op.name] = why
             return (inner, tree.flatten(called_on(node)), False) if inner is not None else (None, None, False)
-        inner, why = (None, _CLASH) if clash else opening.open_call(node)
+        known = self.known_shapes.get((prefix + op.name, keras_compat.inbound_nodes(op).index(node)))
+        inner, why = (None, _CLASH) if clash else opening.open_call(node, known)
         if why is not None:
             self.not_opened[prefix + op.name] = why
         return (inner, list(node.input_tensors), True) if inner is not None else (None, None, False)
@@ -290,7 +292,7 @@ def _name_clashes(graph):
     return frozenset(clashes)
 
 
-def build_graph(model, open_layers=False):
+def build_graph(model, open_layers=False, known_shapes=None):
     """Builds the layer-call graph of a built functional model.
 
     Args:
@@ -300,6 +302,10 @@ def build_graph(model, open_layers=False):
             whose `call` calls other layers and `keras.ops`) where
             `graphckpt.opening.open_call` can; `graph.graph["not_opened"]`
             says why the others stay one node.
+        known_shapes: with `open_layers`, the input shapes of the calls of
+            the graph without it (node key -> one shape per input tensor),
+            for the layers that trace only at known shapes
+            (`graphckpt.shapes.open_graph` finds them).
 
     Returns:
         A `networkx.DiGraph`, as described in the module docstring.
@@ -311,7 +317,7 @@ def build_graph(model, open_layers=False):
     fn = functional_of(model)
     keep_whole = frozenset()
     while True:
-        builder = _Builder(keep_whole, open_layers)
+        builder = _Builder(keep_whole, open_layers, known_shapes)
         keys = builder.add(fn)
         clashes = _name_clashes(builder.graph)
         if not clashes:

@@ -133,3 +133,16 @@ def kept_whole_note(graph):
         f" Nested models called as one layer, which no cut can enter: {items}. "
         "docs/how-it-works.md says when graphckpt cuts inside a nested model."
     )
+
+
+def not_opened_note(graph):
+    """A sentence for a warning: the composite layers `open_layers` left
+    whole (one call, no cut inside) and why, grouped by reason; empty when
+    there are none."""
+    by_reason = {}
+    for path, why in (graph.graph.get("not_opened") or {}).items():
+        by_reason.setdefault(why, []).append(f"'{path}'")
+    if not by_reason:
+        return ""
+    items = "; ".join(f"{', '.join(paths)}: {why}" for why, paths in by_reason.items())
+    return f" Composite layers kept whole by `open_layers`, which no cut can enter: {items}."

@@ -14,11 +14,12 @@ layer does (`open_call` says why not otherwise):
 - the layer owns no variables, seed generators or other state itself (its
   `call` would read or assign them outside any sublayer call, and they
   would not be in the graph); all of its variables belong to sublayers;
-- it is called on tensors without masks, with no argument but its input
-  tensors, `training` and constants (masks read inside `call` would become
-  ops on whatever made them);
-- tracing succeeds (no Python arithmetic on unknown dimensions, no
-  `keras.random` op outside a layer, no control flow on tensor values);
+- it is called on tensors without masks, with no argument but tensors
+  (positional or keyword: a padding mask), `training` and constants (masks
+  read inside `call` would become ops on whatever made them);
+- tracing succeeds (no `keras.random` op outside a layer, no control
+  flow on tensor values; Python arithmetic on an unknown dimension only
+  where the shapes the model is planned for give it: see `open_call`);
 - each `training=None` a sublayer call recorded is dropped, so the value
   the model runs with reaches it, as it reaches the sublayers of the layer
   itself (Keras 3.16 lets a recorded value win);
@@ -32,6 +33,8 @@ Opened graphs are cached per layer and call signature, so the graph of a
 model is built from the same objects every time, and the names of the ops
 inside are derived from the layer's name (a saved plan names them).
 """
+
+import inspect
 
 import keras
 from keras import tree
@@ -53,19 +56,36 @@ class _Opened:
         self.graphs = {}
 
 
-def _signature(node):
+def _signature(node, shapes):
     kwargs = tuple(sorted((k, repr(v)) for k, v in node.arguments.kwargs.items() if k not in _ARGS))
-    return tuple((tuple(t.shape), t.dtype) for t in node.input_tensors), kwargs
+    return tuple((tuple(s), t.dtype) for s, t in zip(shapes, node.input_tensors)), kwargs
+
+
+def _known(node, known_shapes, batch):
+    """The node's input shapes, each dimension the symbolic tensor leaves
+    unknown taken from `known_shapes` (the shapes the model is planned
+    for); the batch dimension only if `batch`."""
+    return [
+        tuple(d if d is not None or (i == 0 and not batch) else k for i, (d, k) in enumerate(zip(t.shape, known)))
+        for t, known in zip(node.input_tensors, known_shapes)
+    ]
 
 
 def _constant(value):
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def open_call(node):
+def open_call(node, known_shapes=None):
     """`(Functional, None)` to flatten in place of the layer call `node`, or
     `(None, reason)` to keep it one node (`reason` None for a call that is
-    not a composite layer's: no sublayers, a model, an op)."""
+    not a composite layer's: no sublayers, a model, an op).
+
+    A call whose trace fails on its symbolic shapes (Python arithmetic on
+    an unknown dimension: keras_hub's causal masks) is traced again on
+    `known_shapes` (one shape per input tensor, the shapes the model is
+    planned for), if given: first with the batch dimension free, then, if
+    the planned shapes fix one, with it. Its graph then serves those
+    shapes only."""
     layer = node.operation
     if not isinstance(layer, keras.layers.Layer) or isinstance(layer, keras.Model):
         return None, None
@@ -76,10 +96,24 @@ def open_call(node):
         opened = _Opened()
         object.__setattr__(layer, _CACHE_ATTR, opened)
     cache = opened.graphs
-    key = _signature(node)
+    shapes = [tuple(t.shape) for t in node.input_tensors]
+    key = _signature(node, shapes)
     if key not in cache:
-        cache[key] = _open(layer, node)
-    return cache[key]
+        cache[key] = _open(layer, node, shapes)
+    for batch in (False, True):
+        if cache[key][0] is not None or known_shapes is None or not cache[key][1].startswith(_UNTRACEABLE):
+            break
+        shapes = _known(node, known_shapes, batch)
+        key = _signature(node, shapes)
+        if key not in cache:
+            cache[key] = _open(layer, node, shapes)
+    fn, why = cache[key]
+    if fn is None and known_shapes is not None and why.startswith(_UNTRACEABLE) and shapes[0][0] is None:
+        why += (
+            "; it may trace at a fixed batch size: plan with one (`input_shape=` with the batch "
+            "dimension; for `fit`, batches of one size, e.g. a dataset batched with `drop_remainder=True`)"
+        )
+    return fn, why
 
 
 def _own_state(layer):
@@ -90,30 +124,42 @@ def _own_state(layer):
     return own + keras_compat.untracked_variables(layer)
 
 
-def _open(layer, node):
+_UNTRACEABLE = "its `call` cannot be traced"
+
+
+def _open(layer, node, shapes):
     if _own_state(layer):
         return None, "it holds variables or seed generators of its own, which its `call` reads"
-    kwargs = node.arguments.kwargs
-    if len(node.arguments.args) != len(node.input_tensors) or not all(
-        _constant(v) for k, v in kwargs.items() if k not in _ARGS
-    ):
-        return None, "it is called with arguments besides its input tensors, constants and `training`"
+    leaves = tree.flatten((node.arguments.args, {k: v for k, v in node.arguments.kwargs.items() if k not in _ARGS}))
+    if not all(isinstance(v, keras.KerasTensor) or _constant(v) for v in leaves):
+        return None, "it is called with arguments besides tensors, constants and `training`"
     if any(keras_compat.get_keras_mask(t) is not None for t in node.input_tensors):
         return None, "it is called on tensors with masks"
     try:
-        fn = _trace(layer, node)
+        fn = _trace(layer, node, shapes)
     except Exception as e:  # noqa: BLE001 - any failure keeps the layer whole
-        return None, f"its `call` cannot be traced ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    why = _verify(layer, node, fn)
+        return None, f"{_UNTRACEABLE} ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    why = _verify(layer, node, fn, shapes)
     return (fn, None) if why is None else (None, why)
 
 
-def _trace(layer, node):
-    """The layer's `call` recorded on fresh `keras.Input`s of the node's
-    input shapes, as a `Functional`."""
+def _bind(node, values):
+    """The node's call arguments (`training` left out) with its input
+    tensors replaced, in order, by `values`."""
+    by_id = {id(t): v for t, v in zip(node.input_tensors, values)}
+    args, kwargs = tree.map_structure(
+        lambda v: by_id.get(id(v), v),
+        (node.arguments.args, {k: v for k, v in node.arguments.kwargs.items() if k not in _ARGS}),
+    )
+    return args, kwargs
+
+
+def _trace(layer, node, shapes):
+    """The layer's `call` recorded on fresh `keras.Input`s of `shapes`
+    (one per input tensor of the node, in order), as a `Functional`."""
     inputs = [
-        keras.Input(batch_shape=tuple(t.shape), dtype=t.dtype, name=f"{layer.name}_input_{i}")
-        for i, t in enumerate(node.input_tensors)
+        keras.Input(batch_shape=shape, dtype=t.dtype, name=f"{layer.name}_input_{i}")
+        for i, (shape, t) in enumerate(zip(shapes, node.input_tensors))
     ]
     before = {id(n) for sub in keras_compat.sublayers(layer) for n in keras_compat.inbound_nodes(sub)}
     xs = [
@@ -122,23 +168,53 @@ def _trace(layer, node):
         else x
         for x in inputs
     ]
-    constants = {k: v for k, v in node.arguments.kwargs.items() if k not in _ARGS}
-    outputs = type(layer).call(layer, *xs, **constants)
+    args, kwargs = _bind(node, xs)
+    subs = [sub for sub in keras_compat.sublayers(layer, include_self=False) if type(sub).compute_output_spec is not keras.layers.Layer.compute_output_spec]
+    for sub in subs:
+        object.__setattr__(sub, "compute_output_spec", _spec_without_nones(sub))
+    try:
+        outputs = type(layer).call(layer, *args, **kwargs)
+    finally:
+        for sub in subs:
+            object.__delattr__(sub, "compute_output_spec")
     if not tree.flatten(outputs) or not all(isinstance(t, keras.KerasTensor) for t in tree.flatten(outputs)):
         raise ValueError("its outputs are not all tensors computed from its inputs")
     fn = keras.Model(inputs, outputs, name=f"{layer.name}_opened")
-    _forget_recorded_training(fn)
+    _forget_recorded_nones(fn)
     _name_ops(layer, fn, before)
     return fn
 
 
-def _forget_recorded_training(fn):
-    """Drops `training=None` from every call the trace recorded: Keras
-    passes the model's `training` to a call recorded without one."""
+def _spec_without_nones(sub):
+    """`sub.compute_output_spec`, called without the keyword arguments
+    passed as None that it does not take (keras_hub's
+    `CachedMultiHeadAttention` is called with `cache=None`, which
+    `MultiHeadAttention.compute_output_spec` rejects)."""
+    own = type(sub).compute_output_spec
+    takes = inspect.signature(own).parameters
+
+    def spec(*args, **kwargs):
+        if not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+            kwargs = {k: v for k, v in kwargs.items() if v is not None or k in takes}
+        return own(sub, *args, **kwargs)
+
+    return spec
+
+
+def _forget_recorded_nones(fn):
+    """Drops, from every call the trace recorded, `training=None` (Keras
+    passes the model's `training` to a call recorded without one) and any
+    other keyword argument recorded as None that defaults to None in the
+    layer's `call` (the same call, and one its `compute_output_spec` may
+    not take)."""
     for node in keras_compat.nodes_of(fn):
         kwargs = node.arguments.kwargs
-        if "training" in kwargs and kwargs["training"] is None:
-            del kwargs["training"]
+        if not isinstance(node.operation, keras.layers.Layer):
+            continue
+        params = inspect.signature(node.operation.call).parameters
+        for k in [k for k, v in kwargs.items() if v is None]:
+            if k == "training" or (k in params and params[k].default is None):
+                del kwargs[k]
 
 
 def _name_ops(layer, fn, before):
@@ -156,7 +232,7 @@ def _name_ops(layer, fn, before):
         op.name = base if k == 0 else f"{base}_{k}"
 
 
-def _verify(layer, node, fn):
+def _verify(layer, node, fn, shapes):
     """None if `fn` computes what `layer` does on a small batch (2 examples
     where the batch dimension is free): the same outputs in training and in
     inference, and the same gradients of a loss on them with respect to
@@ -165,8 +241,8 @@ def _verify(layer, node, fn):
 
     rng = np.random.default_rng(0)
     xs = []
-    for t in node.input_tensors:
-        shape = tuple(2 if d is None else d for d in t.shape)
+    for shape, t in zip(shapes, node.input_tensors):
+        shape = tuple(2 if d is None else d for d in shape)
         if "float" in t.dtype:
             xs.append(keras.ops.convert_to_tensor(rng.normal(size=shape).astype(t.dtype)))
         else:
@@ -174,9 +250,9 @@ def _verify(layer, node, fn):
     state = [v for v in layer.variables if not v.trainable]
     start = [keras.ops.convert_to_numpy(v.value) for v in state]
     trainable = list(layer.trainable_variables)
-    constants = {k: v for k, v in node.arguments.kwargs.items() if k not in _ARGS}
+    args, kwargs = _bind(node, xs)
     for training in (True, False):
-        want = _run(lambda t=training: _with_grads(lambda: layer(*xs, training=t, **constants), trainable), state, start)
+        want = _run(lambda t=training: _with_grads(lambda: layer(*args, training=t, **kwargs), trainable), state, start)
         got = _run(lambda t=training: _with_grads(lambda: fn(xs, training=t), trainable), state, start)
         for a, b in zip(want, got):
             if a.shape != b.shape or not np.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True):

@@ -20,7 +20,7 @@ Example:
 
 import dataclasses
 
-__all__ = ["save_expensive", "save_these_layers", "resolve", "NAMED"]
+__all__ = ["save_expensive", "save_projections", "save_these_layers", "resolve", "NAMED"]
 
 
 def save_expensive(layer):
@@ -30,6 +30,22 @@ def save_expensive(layer):
     from graphckpt.keras_rules import is_expensive
 
     return is_expensive(layer)
+
+
+def save_projections(layer):
+    """Keeps the calls of matmul-like layers, as `save_expensive` does, but
+    recomputes Keras ops, matmuls included. With `open_layers=True`, an
+    attention layer's projections (query, key, value, output) and the
+    feed-forward's Denses are kept, and the attention core between them
+    (the scores' einsum, softmax, dropout, the weighted sum), whose tensors
+    grow with the square of the sequence, is recomputed: Megatron-LM's
+    selective activation recomputation (Korthikanti et al., 2022). Without
+    `open_layers`, an attention layer is one call, kept whole."""
+    import keras
+
+    from graphckpt.keras_rules import is_expensive
+
+    return isinstance(layer, keras.layers.Layer) and is_expensive(layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +65,7 @@ class save_these_layers:  # noqa: N801 - named like a function, as JAX's policie
         return layer.name in self.names or type(layer).__name__ in self.names
 
 
-NAMED = {"save_expensive": save_expensive}
+NAMED = {"save_expensive": save_expensive, "save_projections": save_projections}
 
 
 def resolve(policy):

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 import networkx as nx
 
 from graphckpt import errors, keras_compat
-from graphckpt.graph import dtype_size
+from graphckpt.graph import build_graph, dtype_size, functional_of
 
 __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propagate", "unknown_inputs"]
 
@@ -328,3 +328,31 @@ def sized_graph(graph, input_shape=None, batch_size=None, *, stacklevel=2):
     sized.graph["tensors"] = tensors
     sized.graph["shapes_resolved"] = True
     return sized, batch
+
+
+def open_graph(model, input_shape=None, batch_size=None):
+    """`(graph, shapes)`: `model`'s layer-call graph with its composite
+    layers opened (`build_graph(..., open_layers=True)`), and the input
+    shapes to size it with: `input_shape`, parsed, where given (a layer
+    whose trace needs a known dimension is traced at it), else the model's
+    own. A layer is traced at a fixed batch size only where `input_shape`
+    gives one."""
+    if input_shape is None:
+        return build_graph(model, open_layers=True), [tuple(t.shape) for t in functional_of(model).inputs]
+    plain = build_graph(model)
+    parse_input_shape(plain, input_shape, batch_size)  # raises on a wrong one
+    # A batch dimension left None varies: no layer is traced at `batch_size`.
+    shapes, _ = parse_input_shape(plain, input_shape)
+    tensors, _ = propagate(plain, shapes)
+    known = {
+        key: [tensors[k].shape for k in data["in_keys"]] for key, data in plain.nodes(data=True) if data["kind"] != "input"
+    }
+    return build_graph(model, open_layers=True, known_shapes=known), [tuple(s) for s in shapes]
+
+
+def plan_graph(model, open_layers=False, opened_at=None):
+    """The layer-call graph a plan with these `open_layers` and
+    `opened_at` was made on (see `graphckpt.Plan`)."""
+    if not open_layers:
+        return build_graph(model)
+    return open_graph(model, None if opened_at is None else [tuple(s) for s in opened_at])[0]

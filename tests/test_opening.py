@@ -214,3 +214,77 @@ def test_a_vit_classifier_through_the_fit_flag_trains_as_plain_fit(installed):
     ((twin, plan),) = cache.plans.values()
     assert plan.open_layers and any("vit_encoder/" in seg.nodes[0][0] for seg in plan.segments[1:])
     assert all(s.forward_calls >= 2 for s in twin.segments)
+
+
+def _gpt2_lm(keras_hub):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, dropout=0.1,
+        max_sequence_length=16,
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _tokens(n, seq=8):
+    rng = np.random.default_rng(0)
+    mask = np.ones((n, seq), "int32")
+    mask[::2, -3:] = 0  # padded examples
+    return {"token_ids": rng.integers(1, 50, size=(n, seq)).astype("int32"), "padding_mask": mask}, rng.integers(
+        0, 50, size=(n, seq)
+    )
+
+
+def test_a_gpt2_causal_lm_opens_its_decoders_at_the_data_shapes_and_trains_as_plain_fit(installed):
+    """keras_hub's `TransformerDecoder` builds its causal mask with Python
+    arithmetic on the sequence length and batch size, and calls its
+    `CachedMultiHeadAttention` with `cache=None`: it opens only when traced
+    at the shapes the flag plans for, and then trains the task model's own
+    weights as plain `fit` does, padding mask included."""
+    keras_hub = pytest.importorskip("keras_hub", exc_type=ImportError)
+    import tensorflow as tf
+
+    # keras_hub's task `fit` batches arrays into a dataset whose batch
+    # dimension is unknown; a dataset of full batches gives it.
+    data = tf.data.Dataset.from_tensor_slices(_tokens(8)).batch(4, drop_remainder=True)
+    runs = {}
+    for name, flag in [("plain", {}), ("opened", {"gradient_checkpointing": 6, "open_layers": True})]:
+        model = _gpt2_lm(keras_hub)
+        keras.utils.set_random_seed(3)
+        history = model.fit(data, epochs=3, verbose=0, **flag)
+        runs[name] = (history.history["loss"], [to_numpy(v.value) for v in model.weights], model)
+    np.testing.assert_allclose(runs["opened"][0], runs["plain"][0], rtol=1e-5)
+    for a, b in zip(runs["opened"][1], runs["plain"][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+    from graphckpt.fit import _CACHE_ATTR
+
+    ((twin, plan),) = runs["opened"][2].__dict__[_CACHE_ATTR].plans.values()
+    assert plan.opened_at is not None and plan.opened_at[0] == (4, 8)
+    inside = [seg for seg in plan.segments if "transformer_layer_0/" in seg.nodes[0][0]]
+    assert inside and all(s.forward_calls >= 2 for s in twin.segments)
+
+
+def test_a_decoder_that_needs_a_fixed_batch_stays_whole_with_a_warning_where_batches_vary(installed):
+    keras_hub = pytest.importorskip("keras_hub", exc_type=ImportError)
+    model = _gpt2_lm(keras_hub)
+    with pytest.warns(graphckpt.GraphckptWarning, match="transformer_layer_0.*cannot be traced.*fixed batch size"):
+        the_plan = graphckpt.plan(model, open_layers=True, input_shape=[(None, 8), (None, 8)], batch_size=4)
+    names = [name for seg in the_plan.segments for name, _ in seg.nodes]
+    assert f"{model.backbone.name}/transformer_layer_0" in names
+    assert not [name for name in names if "transformer_layer_0/" in name]
+
+
+def test_a_backbone_opened_at_fixed_shapes_saves_and_loads_opened_at_them(installed, tmp_path):
+    keras_hub = pytest.importorskip("keras_hub", exc_type=ImportError)
+    backbone = _gpt2_lm(keras_hub).backbone
+    ck = graphckpt.checkpoint_model(backbone, segments=6, open_layers=True, input_shape=[(4, 8), (4, 8)])
+    assert ck.plan.opened_at == ((4, 8), (4, 8))
+    assert any("transformer_layer_1/" in seg.nodes[0][0] for seg in ck.plan.segments)
+    ck.save(tmp_path / "ck.keras")
+    loaded = keras.saving.load_model(tmp_path / "ck.keras")
+    assert loaded.plan.opened_at == ck.plan.opened_at
+    assert [len(s.nodes) for s in loaded.plan.segments] == [len(s.nodes) for s in ck.plan.segments]
+    x, _ = _tokens(4)
+    np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(ck(x)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(ck(x)), to_numpy(backbone(x)), rtol=1e-6, atol=1e-6)

@@ -65,6 +65,8 @@ class Plan:
         open_layers: whether composite layers were opened into their calls
             (`graphckpt.plan(..., open_layers=True)`): the plan's calls are
             those of the opened graph.
+        opened_at: the input shapes (one per model input) the layers that
+            trace only at known shapes were opened at, or None.
     """
 
     segments: tuple
@@ -76,6 +78,7 @@ class Plan:
     budget_bytes: int | None = None
     policy: str | None = None
     open_layers: bool = False
+    opened_at: tuple | None = None
 
     @property
     def num_layer_calls(self):
