@@ -204,6 +204,23 @@ def _take_clone(outputs):
     return clone
 
 
+def _check_opened_shapes(model, inputs):
+    """Layers traced at the planned shapes (`Plan.opened_at`) compute for
+    those only (keras_hub's causal mask is a constant of that size)."""
+    recipe = model.__dict__.get("_graphckpt_recipe")  # None while Keras builds the model
+    at = None if recipe is None else recipe.plan.opened_at
+    got = [None if x is None else tuple(x.shape) for x in tree.flatten(inputs)]
+    if at is None or len(got) != len(at):
+        return
+    if any(g is not None and (len(g) != len(w) or any(None not in (a, b) and a != b for a, b in zip(g, w)))
+           for g, w in zip(got, at)):
+        raise errors.InvalidArgumentError(
+            f"Model '{model.name}' opened layers that trace only at known shapes, at input shapes {list(at)} "
+            f"(None: any). Received inputs of shapes {got}. Tip: checkpoint the model for these shapes "
+            "(`input_shape=`); the fit flag plans for each data shape itself."
+        )
+
+
 @keras.saving.register_keras_serializable(package="graphckpt")
 class CheckpointedModel(keras.Model):
     """A functional model made of `Segment` layers, by `checkpoint_model`.
@@ -288,6 +305,7 @@ class CheckpointedModel(keras.Model):
         operation_fn = kwargs.get("operation_fn", args[0] if args else None)
         if keras_compat.is_clone_operation_fn(operation_fn):
             return _clone_for_keras(self, inputs, operation_fn, kwargs.get("call_fn"))
+        _check_opened_shapes(self, inputs)
         return super()._run_through_graph(inputs, *args, **kwargs)
 
     @property

@@ -101,7 +101,7 @@ def dtype_size(dtype):
         return max(int(digits or 32) // 8, 1)
 
 
-def _tensor_info(tensor, producer, key):
+def _tensor_info(tensor, producer, key, dense=False):
     shape = tuple(tensor.shape)
     per_example = math.prod(d if d is not None else 1 for d in shape[1:])
     return TensorInfo(
@@ -110,7 +110,7 @@ def _tensor_info(tensor, producer, key):
         shape=shape,
         dtype=str(tensor.dtype),
         nbytes=int(per_example * dtype_size(tensor.dtype)),
-        sparse=bool(getattr(tensor, "sparse", False)),
+        sparse=bool(getattr(tensor, "sparse", False)) and not dense,
         ragged=bool(getattr(tensor, "ragged", False)),
     )
 
@@ -257,8 +257,16 @@ class _Builder:
             opened_root=root,
         )
         self.position += 1
+        # An op on dense tensors is dense: Keras's spec of `ops.multiply(x,
+        # c)` calls it sparse where the constant `c` is a backend tensor
+        # without a `sparse` attribute (PyTorch's).
+        import keras
+
+        dense = kind == "layer" and not isinstance(op, keras.layers.Layer) and not any(
+            getattr(t, "sparse", False) for t in node.input_tensors
+        )
         for t, k in zip(node.outputs, out_keys):
-            self.tensors[k] = _tensor_info(t, key, k)
+            self.tensors[k] = _tensor_info(t, key, k, dense)
         for k in dict.fromkeys(in_keys):
             producer = self.tensors[k].producer
             edge = self.graph.get_edge_data(producer, key)

@@ -361,6 +361,9 @@ _OP_FREE = {
 }
 
 
+_OP_OPERANDS = {"Multiply", "Minimum", "Maximum"}
+
+
 def rule_of_op(op, ins, outs):
     """The rule of a Keras op called in a functional graph (`keras.ops.add`
     and the like), by its operation class within Keras; the unknown rule
@@ -373,6 +376,10 @@ def rule_of_op(op, ins, outs):
         return LayerRule(all_indices(ins), flops=2.0 * out_elems * (ins[0].shape[-1] or 1), expensive=True, name="op matmul")
     if name in _OP_FREE:
         return LayerRule(flops=out_elems, name="op free")
+    if name in _OP_OPERANDS:
+        # The gradient of x * y (or min/max) reads the other operand (or
+        # both, for the mask): nothing batch-sized when one is a constant.
+        return LayerRule(all_indices(ins) if len(ins) > 1 else frozenset(), flops=out_elems, name="op operands")
     act = name.lower()
     if act in SAVES_OUTPUT or act in SAVES_INPUT:
         saved_out, internal, _ = activation_rule(act, 0, out_bytes)

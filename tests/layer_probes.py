@@ -134,6 +134,7 @@ def probes():
         "LeakyReLU": ("flat", lambda: L.LeakyReLU()),
         "Normalization": ("flat", lambda: L.Normalization(mean=0.0, variance=1.0)),
     }
+    p.update(op_probes())
     if hasattr(L, "ReversibleEmbedding"):
         p["ReversibleEmbedding"] = ("ids", lambda: L.ReversibleEmbedding(100, 64))
     try:
@@ -156,6 +157,42 @@ def probes():
     return p
 
 
+
+
+class Op:
+    """A Keras op as a probe's "layer": called on tensors, it records an op
+    node (as in a composite layer's opened graph); it has no weights."""
+
+    built = True
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.weights, self.trainable_variables, self.non_trainable_variables = [], [], []
+        self.trainable_weights, self.losses = [], []
+
+    def __call__(self, *args, training=None):
+        return self.fn(*args)
+
+
+def op_probes():
+    """The Keras ops that opened attention and transformer blocks call
+    (Keras's MultiHeadAttention, keras_hub's decoders), as probes named
+    `op.<name>`."""
+    from keras import ops
+
+    return {
+        "op.einsum": ("seq", lambda: Op(lambda a, b: ops.einsum("bqd,bkd->bqk", a, b)), "pair"),
+        "op.matmul": ("seq", lambda: Op(lambda a, b: ops.matmul(a, ops.transpose(b, (0, 2, 1)))), "pair"),
+        "op.multiply": ("flat", lambda: Op(ops.multiply), "pair"),
+        "op.multiply_scalar": ("flat", lambda: Op(lambda a: ops.multiply(a, 0.5))),
+        "op.add": ("flat", lambda: Op(ops.add), "pair"),
+        "op.minimum": ("flat", lambda: Op(ops.minimum), "pair"),
+        "op.softmax": ("seq", lambda: Op(lambda a: ops.softmax(a, axis=-1))),
+        "op.gelu": ("flat", lambda: Op(ops.gelu)),
+        "op.tanh": ("flat", lambda: Op(ops.tanh)),
+        "op.reshape": ("seq", lambda: Op(lambda a: ops.reshape(a, (-1, 32, 4, 16)))),
+        "op.transpose": ("seq", lambda: Op(lambda a: ops.transpose(a, (0, 2, 1)))),
+    }
 
 
 def _input_count(how):

@@ -687,3 +687,33 @@ def test_docs_describe_the_demo_model_they_run():
     assert int(depth) == len(dense) == cli.DEMO["depth"]
     assert f"a chain of {len(dense)} Dense layers" in (ROOT / "docs" / "cli.md").read_text()
     assert "64-layer model" not in readme
+
+
+def test_inspect_open_layers_names_cuts_by_their_path_inside_the_layer(capsys, tmp_path):
+    """`--open-layers` plans inside MultiHeadAttention; the JSON rows name
+    the calls inside by their path (`<attention>/<call>`); the saved
+    checkpointed model shows the plan it was saved with, opened again."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16, 8))
+    x = inp
+    for _ in range(2):
+        x = layers.Add()([x, layers.MultiHeadAttention(2, 4, dropout=0.1)(x, x)])
+    model = keras.Model(inp, layers.Dense(1)(x), name="attn")
+    path = tmp_path / "attn.keras"
+    model.save(path)
+    code, out, err = run_main(capsys, "inspect", path, "--open-layers", "--segments", 4, "--format", "json")
+    assert code == 0, err
+    info = json.loads(out)
+    names = [name for seg in info["segments"] for name in seg["layers"]]
+    for inner in ("softmax(_\d+)?", "attention_output"):
+        assert len([n for n in names if re.fullmatch(rf"multi_head_attention(_\d+)?/{inner}", n)]) == 2, names
+    ck_path = tmp_path / "attn_ck.keras"
+    graphckpt.checkpoint_model(model, segments=4, open_layers=True).save(ck_path)
+    code, out, err = run_main(capsys, "inspect", ck_path, "--format", "json")
+    assert code == 0, err
+    # The same cuts; the attention layers' own Softmax and Dropout, which
+    # their config does not name, get new name suffixes when loaded.
+    def base(segments):
+        return [[re.sub(r"_\d+$", "", n) for n in seg["layers"]] for seg in segments]
+
+    assert base(json.loads(out)["segments"]) == base(info["segments"])

@@ -288,3 +288,37 @@ def test_a_backbone_opened_at_fixed_shapes_saves_and_loads_opened_at_them(instal
     x, _ = _tokens(4)
     np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(ck(x)), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(to_numpy(ck(x)), to_numpy(backbone(x)), rtol=1e-6, atol=1e-6)
+
+
+def test_save_projections_keeps_the_projections_and_recomputes_the_attention_core():
+    """Megatron's selective recompute as a policy: with the blocks opened,
+    the calls of layers with kernels run inline, kept (never recomputed),
+    and the attention core's ops (scores, softmax, dropout, weighted sum)
+    are in recomputed segments; the model trains exactly."""
+    model = blocks_model(n=2)
+    ck = graphckpt.checkpoint_model(model, policy="save_projections", open_layers=True)
+    remat_of = {key: seg.remat for seg in ck.plan.segments for key in seg.nodes}
+    kernels = [key for key in remat_of if key[0].rsplit("/", 1)[-1] in ("query", "key", "value", "attention_output")]
+    assert len(kernels) == 8 and not any(remat_of[k] for k in kernels)
+    core = [key for key in remat_of if key[0].rsplit("/", 1)[-1].startswith(("softmax", "dropout"))
+            and "multi_head_attention" in key[0]]
+    assert core and all(remat_of[k] for k in core)
+    # Only the recomputed segments became Segment layers; the kept calls run inline.
+    segments = [layer for layer in ck.layers if isinstance(layer, Segment)]
+    assert len(segments) == sum(seg.remat for seg in ck.plan.segments)
+    compare_step(model, ck, _x(), atol=2e-6)
+    assert segments and all(s.forward_calls >= 2 for s in segments)
+
+
+def test_a_model_opened_at_fixed_shapes_refuses_other_shapes(installed):
+    """A decoder traced at the planned shapes bakes its causal mask in:
+    called on other shapes, the checkpointed model raises, never computes
+    with the wrong mask."""
+    keras_hub = pytest.importorskip("keras_hub", exc_type=ImportError)
+    backbone = _gpt2_lm(keras_hub).backbone
+    ck = graphckpt.checkpoint_model(backbone, segments=6, open_layers=True, input_shape=[(4, 8), (4, 8)])
+    for n, seq in [(4, 6), (2, 8), (1, 8)]:
+        x, _ = _tokens(n, seq)
+        with pytest.raises(graphckpt.InvalidArgumentError, match=r"at input shapes \[\(4, 8\), \(4, 8\)\]"):
+            ck(x)
+    np.testing.assert_allclose(to_numpy(ck(_tokens(4)[0])), to_numpy(backbone(_tokens(4)[0])), rtol=1e-6, atol=1e-6)

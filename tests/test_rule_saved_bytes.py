@@ -41,6 +41,7 @@ KNOWN = {
         "Normalization": _LINEAR,
         "AlphaDropout": _ONE_OPERAND,
         "GaussianDropout": _ONE_OPERAND,
+        "op.gelu": "jax.nn.gelu (erf form) keeps 5 input-sized buffers (TensorFlow's composed gelu: 3)",
     },
     "torch": {
         "LSTM": "Keras's step loop on torch keeps 7 step-sized buffers a step (TensorFlow's while loop: 10)",
@@ -56,6 +57,7 @@ KNOWN = {
         "Normalization": _LINEAR,
         "AlphaDropout": _ONE_OPERAND,
         "GaussianDropout": _ONE_OPERAND,
+        "op.gelu": "torch's fused gelu keeps its input only (TensorFlow's composed gelu: 3 buffers)",
     },
 }
 

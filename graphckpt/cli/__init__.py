@@ -1,6 +1,6 @@
 """The `graphckpt` command line: inspect, measure, demo.
 
-    graphckpt inspect MODEL.keras [--segments auto|sqrt|N] [--budget B]
+    graphckpt inspect MODEL.keras [--segments auto|sqrt|N] [--budget B] [--open-layers]
                                   [--batch-size N] [--input-shape [NAME=]8,512 ...]
                                   [--format table|json|dot] [--wide]
     graphckpt measure MODEL.keras --batch-size N | --input-shape ... [--segments ...]
@@ -55,6 +55,11 @@ def _parser():
     )
     planning.add_argument(
         "--budget", metavar="B", help="memory budget: bytes with a unit (2GiB, 800MB), or a fraction of the baseline (0.3)"
+    )
+    planning.add_argument(
+        "--open-layers",
+        action="store_true",
+        help="also cut inside composite layers (transformer blocks, MultiHeadAttention, keras_hub encoders)",
     )
     loading = argparse.ArgumentParser(add_help=False)
     loading.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")

@@ -89,6 +89,8 @@ def planner_kwargs(args):
         kwargs["segments"] = parse_segments(args.segments)
     if args.budget is not None:
         kwargs["budget"] = budget_arg(args.budget)
+    if getattr(args, "open_layers", False):
+        kwargs["open_layers"] = True
     if getattr(args, "batch_size", None):
         kwargs["batch_size"] = args.batch_size
     input_shape = parse_input_shapes(getattr(args, "input_shape", None))
@@ -104,7 +106,13 @@ def positive_int(text):
 
 
 # Python argument -> the flag that sets it.
-_FLAGS = {"batch_size": "--batch-size", "input_shape": "--input-shape", "segments": "--segments", "budget": "--budget"}
+_FLAGS = {
+    "batch_size": "--batch-size",
+    "input_shape": "--input-shape",
+    "segments": "--segments",
+    "budget": "--budget",
+    "open_layers": "--open-layers",
+}
 # Tips written for Python callers, and what the command line says instead.
 _TIPS = [
     (re.compile(r"`graphckpt\.plan\(model, batch_size=\.\.\.\)`"), "`graphckpt inspect MODEL.keras --batch-size N`"),

@@ -112,13 +112,14 @@ def planned(model, planner_kwargs):
     the plan is estimated for (`--input-shape`)."""
     import graphckpt
     from graphckpt import api
-    from graphckpt.graph import build_graph
-    from graphckpt.shapes import sized_graph
+    from graphckpt.shapes import plan_graph, sized_graph
 
     if isinstance(model, graphckpt.CheckpointedModel):
         plain = graphckpt.uncheckpoint(model)
-        if not {"segments", "budget"} & set(planner_kwargs):
-            graph, _ = sized_graph(build_graph(plain), planner_kwargs.get("input_shape"), planner_kwargs.get("batch_size"))
+        if not {"segments", "budget", "open_layers"} & set(planner_kwargs):
+            shape = planner_kwargs.get("input_shape") or model.plan.opened_at
+            graph = plan_graph(plain, model.plan.open_layers, model.plan.opened_at)
+            graph, _ = sized_graph(graph, shape, planner_kwargs.get("batch_size"))
             return plain, graph, model.plan
         model = plain
     result = api.planned(model, **planner_kwargs)
