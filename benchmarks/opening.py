@@ -41,9 +41,8 @@ def _gpt2_methods(shape):
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import warnings
 
-    import hub
-
     import graphckpt
+    import hub
 
     model = hub.gpt2_backbone()
     with warnings.catch_warnings():

@@ -705,7 +705,7 @@ def test_inspect_open_layers_names_cuts_by_their_path_inside_the_layer(capsys, t
     assert code == 0, err
     info = json.loads(out)
     names = [name for seg in info["segments"] for name in seg["layers"]]
-    for inner in ("softmax(_\d+)?", "attention_output"):
+    for inner in (r"softmax(_\d+)?", "attention_output"):
         assert len([n for n in names if re.fullmatch(rf"multi_head_attention(_\d+)?/{inner}", n)]) == 2, names
     ck_path = tmp_path / "attn_ck.keras"
     graphckpt.checkpoint_model(model, segments=4, open_layers=True).save(ck_path)
