@@ -8,6 +8,9 @@ run, methods alternated, medians.
 
     PYTHONPATH=. .venv/bin/python benchmarks/opening.py --family vit_tiny [--rounds 3]
 
+`--family mha_1024 --batch-size 4`: run_all.py's Transformer family with 4
+blocks of Keras's MultiHeadAttention at sequence 1024, dim 64, 4 heads.
+
 `--family gpt2`: keras_hub's GPT2Backbone 12 x 256 at sequence 512, batch 8
 (benchmarks/hub.py's), whose decoders open only at the planned shapes. It
 adds budget plans with open layers, at the default plan's estimated peak x
@@ -65,7 +68,7 @@ def _gpt2_methods(shape):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=["user_blocks", "vit_tiny", "gpt2"], default="user_blocks")
+    parser.add_argument("--family", choices=["user_blocks", "vit_tiny", "gpt2", "mha_1024"], default="user_blocks")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -73,6 +76,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     kwargs = {"seq_len": args.seq_len} if args.family == "user_blocks" else {}
     builder, methods, extra = f"{FAMILIES}:{args.family}", METHODS, {}
+    if args.family == "mha_1024":  # 4 MultiHeadAttention blocks at sequence 1024 (pass --batch-size 4)
+        builder, kwargs = f"{FAMILIES}:transformer", dict(seq_len=1024, dim=64, heads=4, ffn=256, depth=4)
     if args.family == "gpt2":
         shape = {"token_ids": (args.batch_size, args.seq_len), "padding_mask": (args.batch_size, args.seq_len)}
         builder, methods, extra = f"{HUB}:gpt2_backbone", _gpt2_methods(shape), {"input_shape": shape, "timeout": 1800}
