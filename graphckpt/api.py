@@ -186,9 +186,9 @@ def _planned(
         # given: the shapes inside an opened layer are what its trace gave,
         # which can lose a dimension the layer itself knows
         # (MultiHeadAttention's projections lose the sequence length).
-        given = input_shape
         graph, input_shape = open_graph(model, input_shape, batch_size)
-        opened_at = None if given is None else tuple(tuple(s) for s in input_shape)
+        if graph.graph["at_known_shapes"]:  # some layer serves these shapes only
+            opened_at = tuple(tuple(s) for s in input_shape)
         if not_opened_note(graph):
             warnings.warn(f"Model '{model.name}':{not_opened_note(graph)}", errors.GraphckptWarning, stacklevel=stacklevel)
     else:

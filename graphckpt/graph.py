@@ -165,6 +165,7 @@ class _Builder:
         self.graph = nx.DiGraph()
         self.open_layers = open_layers  # open composite layers (graphckpt.opening)
         self.known_shapes = known_shapes or {}  # node key -> its input shapes, where planned for some
+        self.at_known_shapes = False  # whether some layer was opened at them
         self.not_opened = {}  # path of a composite layer's call left closed -> why
         self.tensors = {}
         self.position = 0
@@ -236,6 +237,8 @@ class _Builder:
         inner, why = (None, _CLASH) if clash else opening.open_call(node, known)
         if why is not None:
             self.not_opened[prefix + op.name] = why
+        if inner is not None and [x.shape for x in inner.inputs] != [t.shape for t in node.input_tensors]:
+            self.at_known_shapes = True  # traced at `known_shapes`: the graph serves those only
         return (inner, list(node.input_tensors), True) if inner is not None else (None, None, False)
 
     def _add_node(self, node, prefix, in_keys, training, scope=None, kind="layer", opened=None, root=None):
@@ -340,6 +343,7 @@ def build_graph(model, open_layers=False, known_shapes=None):
     graph.graph["kept_whole"] = builder.whole
     graph.graph["not_opened"] = builder.not_opened
     graph.graph["open_layers"] = open_layers
+    graph.graph["at_known_shapes"] = builder.at_known_shapes
     return graph
 
 

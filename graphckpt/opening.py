@@ -169,7 +169,12 @@ def _trace(layer, node, shapes):
         for x in inputs
     ]
     args, kwargs = _bind(node, xs)
-    subs = [sub for sub in keras_compat.sublayers(layer, include_self=False) if type(sub).compute_output_spec is not keras.layers.Layer.compute_output_spec]
+    own_spec = keras.layers.Layer.compute_output_spec
+    subs = [
+        sub
+        for sub in keras_compat.sublayers(layer, include_self=False)
+        if type(sub).compute_output_spec is not own_spec and "compute_output_spec" not in sub.__dict__
+    ]
     for sub in subs:
         object.__setattr__(sub, "compute_output_spec", _spec_without_nones(sub))
     try:

@@ -322,3 +322,13 @@ def test_a_model_opened_at_fixed_shapes_refuses_other_shapes(installed):
         with pytest.raises(graphckpt.InvalidArgumentError, match=r"at input shapes \[\(4, 8\), \(4, 8\)\]"):
             ck(x)
     np.testing.assert_allclose(to_numpy(ck(_tokens(4)[0])), to_numpy(backbone(_tokens(4)[0])), rtol=1e-6, atol=1e-6)
+
+
+def test_input_shape_alone_does_not_tie_an_opened_model_to_it():
+    """Layers that trace on symbolic shapes serve any shape: planning with
+    `input_shape=` (for the estimate) records no `opened_at`."""
+    model = blocks_model(n=2)
+    ck = graphckpt.checkpoint_model(model, segments=4, open_layers=True, input_shape=(4, 8, 16))
+    assert ck.plan.open_layers and ck.plan.opened_at is None
+    x = _x()[:2]  # another batch size
+    np.testing.assert_allclose(to_numpy(ck(x)), to_numpy(model(x)), rtol=1e-6, atol=1e-6)
