@@ -18,6 +18,9 @@ measured peak, step time and CPU time as ratios of the baseline's (medians
 of the per-round ratios).
 
     PYTHONPATH=. .venv/bin/python benchmarks/selective.py [--families resnet50v2,transformer,cnn] [--repeats 3]
+
+`--open-layers`: the budget plans also cut inside composite layers
+(`open_layers=True`: inside each MultiHeadAttention), at the same budgets.
 """
 
 import argparse
@@ -49,9 +52,11 @@ FAMILIES = {
 FACTORS = (1.00, 1.05, 1.10, 1.20)
 
 
-def _plans(fam):
+def _plans(fam, open_layers=False):
     """label -> (checkpoint_model kwargs, segments, estimated peak ratio,
-    estimated recompute as a fraction of the forward time)."""
+    estimated recompute as a fraction of the forward time). With
+    `open_layers`, the budget plans cut inside composite layers too (their
+    budgets still from the default plan with layers whole)."""
     import families
     import graphckpt
 
@@ -62,8 +67,11 @@ def _plans(fam):
         warnings.simplefilter("ignore")
         default = graphckpt.plan(model, batch_size=batch)
         kwargs = {"default": {"batch_size": batch}}
+        opened = {"open_layers": True} if open_layers else {}
         for f in FACTORS:
-            kwargs[f"budget x{f:.2f} of default"] = {"batch_size": batch, "budget": int(default.estimated_peak_bytes * f)}
+            kwargs[f"budget x{f:.2f} of default"] = {
+                "batch_size": batch, "budget": int(default.estimated_peak_bytes * f), **opened
+            }
         for label, kw in kwargs.items():
             p = graphckpt.plan(model, **kw)
             e = graphckpt.estimate(model, p, batch_size=batch)
@@ -71,8 +79,8 @@ def _plans(fam):
     return out
 
 
-def run(name, fam, repeats, steps, warmup):
-    plans = _plans(fam)
+def run(name, fam, repeats, steps, warmup, open_layers=False):
+    plans = _plans(fam, open_layers)
     specs = [("baseline", dict(method="baseline"))]
     specs += [(label, dict(method="graphckpt", checkpoint_kwargs=kw)) for label, (kw, *_) in plans.items()]
     print(f"== {name}: {fam['builder']}({fam['kwargs']}), batch {fam['batch']}", flush=True)
@@ -112,13 +120,15 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--open-layers", action="store_true", help="budget plans with open_layers=True")
     p.add_argument("--out", default=None, help="default: results/selective.json (selective_<families>.json for others)")
     args = p.parse_args(argv)
     if args.out is None:
         name = "" if args.families == "resnet50v2,transformer,cnn" else "_" + args.families.replace(",", "_")
+        name += "_open" if args.open_layers else ""
         args.out = os.path.join(HERE, "results", f"selective{name}.json")
     t0 = time.time()
-    results = [run(n, FAMILIES[n], args.repeats, args.steps, args.warmup) for n in args.families.split(",")]
+    results = [run(n, FAMILIES[n], args.repeats, args.steps, args.warmup, args.open_layers) for n in args.families.split(",")]
     with open(args.out, "w") as f:
         json.dump(dict(date=time.strftime("%Y-%m-%d"), results=results), f, indent=1)
     print(f"-> {args.out} ({time.time() - t0:.0f} s)")
