@@ -236,7 +236,8 @@ def plan(
             batch dimension of `input_shape`, else the model's fixed batch
             size, if any). A budget in bytes needs one; without one,
             estimates are per example.
-        policy: a recompute policy, `"save_expensive"` or a callable from
+        policy: a recompute policy, `"save_expensive"`,
+            `"save_projections"` or a callable from
             `graphckpt.policies`: the calls it names (Dense, convolutions,
             attention, ...) are never recomputed; only the cheap calls
             between them are. Alone, it picks the smallest estimated peak
@@ -321,7 +322,8 @@ def checkpoint_model(
             batch dimension of `input_shape`, else the model's fixed batch
             size, if any). A budget in bytes needs one; without one,
             estimates are per example.
-        policy: a recompute policy, `"save_expensive"` or a callable from
+        policy: a recompute policy, `"save_expensive"`,
+            `"save_projections"` or a callable from
             `graphckpt.policies`: the calls it names (Dense, convolutions,
             attention, ...) are never recomputed; only the cheap calls
             between them are. Alone, it picks the smallest estimated peak

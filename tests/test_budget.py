@@ -321,7 +321,7 @@ def test_infeasible_budget_through_the_api():
         (dict(segments=3, budget=0.5), "pass one"),
         (dict(segments=3, policy="save_expensive"), "can't be combined"),
         (dict(budget="1MiB"), "needs the batch size"),
-        (dict(policy="save_everything"), "Accepted: \\['save_expensive'\\]"),
+        (dict(policy="save_everything"), "Accepted: \\['save_expensive', 'save_projections'\\]"),
         (dict(policy=3), "must be a name"),
         (dict(budget=0.5, batch_size=0), "batch_size"),
         (dict(budget=0.5, batch_size=True), "batch_size"),
