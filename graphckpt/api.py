@@ -179,6 +179,11 @@ def _planned(
             "it back), or use the checkpointed one as it is."
         )
     opened_at = None
+    if not isinstance(open_layers, bool) and not callable(open_layers):
+        raise errors.InvalidArgumentTypeError(
+            f"`open_layers` must be a bool or a callable `open_layers(layer) -> bool`. Received: "
+            f"open_layers={open_layers!r}. Tip: pass True, or e.g. `lambda layer: layer.name != 'encoder'`."
+        )
     if open_layers:
         if batch_size is not None:
             check_batch_size(build_graph(model), batch_size)  # before comparing it with `input_shape`
@@ -186,7 +191,7 @@ def _planned(
         # given: the shapes inside an opened layer are what its trace gave,
         # which can lose a dimension the layer itself knows
         # (MultiHeadAttention's projections lose the sequence length).
-        graph, input_shape = open_graph(model, input_shape, batch_size)
+        graph, input_shape = open_graph(model, input_shape, batch_size, open_layers)
         if graph.graph["at_known_shapes"]:  # some layer serves these shapes only
             opened_at = tuple(tuple(s) for s in input_shape)
         if not_opened_note(graph):
@@ -198,7 +203,9 @@ def _planned(
     sized, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=stacklevel + 1)
     the_plan, unchanged = choose_plan(sized, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
     if open_layers:
-        the_plan = dataclasses.replace(the_plan, open_layers=True, opened_at=opened_at)
+        the_plan = dataclasses.replace(
+            the_plan, open_layers=True, opened_at=opened_at, kept_closed=graph.graph["kept_closed"]
+        )
     return Planned(graph, sized, the_plan, unchanged)
 
 
@@ -255,8 +262,10 @@ def plan(
             calls only other layers and `keras.ops` (a transformer block
             written as a `keras.layers.Layer` subclass, Keras's
             `MultiHeadAttention`) is opened into those calls, where its
-            traced graph computes what it does (`graphckpt.opening`).
-            Experimental; default False.
+            traced graph computes what it does (`graphckpt.opening`). A
+            callable `open_layers(layer) -> bool` opens only the composite
+            layers it says yes to (`lambda layer: not isinstance(layer,
+            keras.layers.MultiHeadAttention)`). Experimental; default False.
 
     Returns:
         A `graphckpt.Plan`: plain, immutable data about the segments, with

@@ -91,6 +91,7 @@ def plan_from_config(graph, config):
     info = {k: v for k, v in config.get("info", {}).items() if k in fields}
     if info.get("opened_at") is not None:  # JSON lists
         info["opened_at"] = tuple(tuple(s) for s in info["opened_at"])
+    info["kept_closed"] = tuple(info.get("kept_closed", ()))
     return dataclasses.replace(plan, **info)
 
 
@@ -319,14 +320,14 @@ class CheckpointedModel(keras.Model):
             "name": self.name,
             "trainable": self.trainable,
             "source": keras.saving.serialize_keras_object(source),
-            "plan": plan_to_config(plan_graph(source, self.plan.open_layers, self.plan.opened_at), self.plan),
+            "plan": plan_to_config(plan_graph(source, self.plan), self.plan),
         }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         source = keras.saving.deserialize_keras_object(config["source"], custom_objects=custom_objects)
         info = config["plan"].get("info", {})
-        graph = plan_graph(source, info.get("open_layers", False), info.get("opened_at"))
+        graph = plan_graph(source, info)
         model = checkpointed_model(source, graph, plan_from_config(graph, config["plan"]))
         model.trainable = config.get("trainable", True)
         return model

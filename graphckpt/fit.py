@@ -80,7 +80,7 @@ def _check_flag(gradient_checkpointing, budget, open_layers=False):
             f"`open_layers` needs gradient checkpointing on. Received: gradient_checkpointing="
             f"{gradient_checkpointing!r}, open_layers={open_layers!r}. Tip: add `gradient_checkpointing=True`."
         )
-    return dict(planner_kwargs, open_layers=True)
+    return dict(planner_kwargs, open_layers=open_layers)
 
 
 def _check_segments(gradient_checkpointing, budget):
@@ -269,7 +269,8 @@ _FLAG_DOC = """
             ("2GiB", an int; for a batch of `batch_size`, default 32) or a
             fraction of the baseline (0.3). It implies checkpointing; the
             planner recomputes only where memory requires it.
-        open_layers: also cut inside composite layers (a layer whose
+        open_layers: True, or a predicate `open_layers(layer) -> bool`:
+            also cut inside composite layers (a layer whose
             `call` calls other layers: keras_hub's `ViTEncoder`, Keras's
             `MultiHeadAttention`), as `graphckpt.checkpoint_model` does.
             Experimental; default False.

@@ -161,9 +161,12 @@ class _Builder:
     """Adds the layer calls of a functional model to a graph, flattening
     nested models' calls (see `graphckpt.nesting.flattenable`)."""
 
-    def __init__(self, keep_whole=frozenset(), open_layers=False, known_shapes=None):
+    def __init__(self, keep_whole=frozenset(), open_layers=False, known_shapes=None, closed=()):
         self.graph = nx.DiGraph()
-        self.open_layers = open_layers  # open composite layers (graphckpt.opening)
+        self.open_layers = open_layers  # open composite layers (graphckpt.opening): bool or predicate
+        self.closed = frozenset(closed)  # paths of composite layer calls kept whole as asked
+        self.kept_closed = []  # those found: the predicate's no's, and `closed`
+        self.inside = {}  # opened root -> how many calls inside it so far
         self.known_shapes = known_shapes or {}  # node key -> its input shapes, where planned for some
         self.at_known_shapes = False  # whether some layer was opened at them
         self.not_opened = {}  # path of a composite layer's call left closed -> why
@@ -190,7 +193,7 @@ class _Builder:
                     keys[id(node.outputs[0])] = tensor_key(node.outputs[0])
                 continue
             in_keys = [keys[id(t)] for t in node.input_tensors]
-            inner, outer, opens = self._inner(node, consumed, prefix, read)
+            inner, outer, opens = self._inner(node, consumed, prefix, read, root)
             read.update(id(t) for t in node.input_tensors)
             if inner is None:
                 out_keys = self._add_node(node, prefix, in_keys, training, scope, opened=opened, root=root)
@@ -214,13 +217,14 @@ class _Builder:
             keys.update((id(t), k) for t, k in zip(node.outputs, out_keys))
         return keys
 
-    def _inner(self, node, consumed, prefix, read):
+    def _inner(self, node, consumed, prefix, read, root=None):
         """`(Functional, outer tensors, opened)` to flatten in place of
         `node`'s call (a nested model's graph, or a composite layer's opened
         one if `opened`, bound to the tensors it was called on), or `(None,
         None, False)`; records why a nested model stays whole (`whole`) or a
         composite layer closed (`not_opened`). `read`: ids of the tensors
-        the calls before it read."""
+        the calls before it read; `root`: the outermost opened layer call
+        it is inside, if any."""
         import keras
         from keras import tree
 
@@ -233,6 +237,14 @@ class _Builder:
             if why is not None:
                 self.whole[prefix + op.name] = why
             return (inner, tree.flatten(called_on(node)), False) if inner is not None else (None, None, False)
+        # Named as `saved_ordinals` names a call inside an opened layer
+        # (`<root>#i`): a custom layer's sublayers get other names when loaded.
+        where = prefix + op.name if root is None else f"{root}#{self.inside.get(root, 0)}"
+        if isinstance(op, keras.layers.Layer) and keras_compat.has_sublayers(op) and (
+            where in self.closed or (callable(self.open_layers) and not self.open_layers(op))
+        ):
+            self.kept_closed.append(where)
+            return None, None, False
         known = self.known_shapes.get((prefix + op.name, keras_compat.inbound_nodes(op).index(node)))
         inner, why = (None, _CLASH) if clash else opening.open_call(node, known)
         if why is not None:
@@ -260,6 +272,8 @@ class _Builder:
             opened_root=root,
         )
         self.position += 1
+        if root is not None:
+            self.inside[root] = self.inside.get(root, 0) + 1
         # An op on dense tensors is dense: Keras's spec of `ops.multiply(x,
         # c)` calls it sparse where the constant `c` is a backend tensor
         # without a `sparse` attribute (PyTorch's).
@@ -303,7 +317,7 @@ def _name_clashes(graph):
     return frozenset(clashes)
 
 
-def build_graph(model, open_layers=False, known_shapes=None):
+def build_graph(model, open_layers=False, known_shapes=None, closed=()):
     """Builds the layer-call graph of a built functional model.
 
     Args:
@@ -312,11 +326,15 @@ def build_graph(model, open_layers=False, known_shapes=None):
         open_layers: also flatten the calls of composite layers (a layer
             whose `call` calls other layers and `keras.ops`) where
             `graphckpt.opening.open_call` can; `graph.graph["not_opened"]`
-            says why the others stay one node.
+            says why the others stay one node. A callable `open_layers(layer)
+            -> bool` opens only the composite layers it says yes to; the
+            paths of the others are in `graph.graph["kept_closed"]`.
         known_shapes: with `open_layers`, the input shapes of the calls of
             the graph without it (node key -> one shape per input tensor),
             for the layers that trace only at known shapes
             (`graphckpt.shapes.open_graph` finds them).
+        closed: paths of composite layer calls to keep whole (a saved
+            plan's `kept_closed`).
 
     Returns:
         A `networkx.DiGraph`, as described in the module docstring.
@@ -328,7 +346,7 @@ def build_graph(model, open_layers=False, known_shapes=None):
     fn = functional_of(model)
     keep_whole = frozenset()
     while True:
-        builder = _Builder(keep_whole, open_layers, known_shapes)
+        builder = _Builder(keep_whole, open_layers, known_shapes, closed)
         keys = builder.add(fn)
         clashes = _name_clashes(builder.graph)
         if not clashes:
@@ -342,7 +360,8 @@ def build_graph(model, open_layers=False, known_shapes=None):
     graph.graph["name"] = model.name
     graph.graph["kept_whole"] = builder.whole
     graph.graph["not_opened"] = builder.not_opened
-    graph.graph["open_layers"] = open_layers
+    graph.graph["open_layers"] = bool(open_layers)
+    graph.graph["kept_closed"] = tuple(builder.kept_closed)
     graph.graph["at_known_shapes"] = builder.at_known_shapes
     return graph
 

@@ -330,15 +330,17 @@ def sized_graph(graph, input_shape=None, batch_size=None, *, stacklevel=2):
     return sized, batch
 
 
-def open_graph(model, input_shape=None, batch_size=None):
+def open_graph(model, input_shape=None, batch_size=None, open_layers=True, closed=()):
     """`(graph, shapes)`: `model`'s layer-call graph with its composite
     layers opened (`build_graph(..., open_layers=True)`), and the input
     shapes to size it with: `input_shape`, parsed, where given (a layer
     whose trace needs a known dimension is traced at it), else the model's
     own. A layer is traced at a fixed batch size only where `input_shape`
-    gives one."""
+    gives one. `open_layers` (True or a predicate) and `closed` as for
+    `build_graph`."""
     if input_shape is None:
-        return build_graph(model, open_layers=True), [tuple(t.shape) for t in functional_of(model).inputs]
+        graph = build_graph(model, open_layers=open_layers, closed=closed)
+        return graph, [tuple(t.shape) for t in functional_of(model).inputs]
     plain = build_graph(model)
     parse_input_shape(plain, input_shape, batch_size)  # raises on a wrong one
     # A batch dimension left None varies: no layer is traced at `batch_size`.
@@ -347,12 +349,16 @@ def open_graph(model, input_shape=None, batch_size=None):
     known = {
         key: [tensors[k].shape for k in data["in_keys"]] for key, data in plain.nodes(data=True) if data["kind"] != "input"
     }
-    return build_graph(model, open_layers=True, known_shapes=known), [tuple(s) for s in shapes]
+    graph = build_graph(model, open_layers=open_layers, known_shapes=known, closed=closed)
+    return graph, [tuple(s) for s in shapes]
 
 
-def plan_graph(model, open_layers=False, opened_at=None):
-    """The layer-call graph a plan with these `open_layers` and
-    `opened_at` was made on (see `graphckpt.Plan`)."""
-    if not open_layers:
+def plan_graph(model, plan):
+    """The layer-call graph `plan` was made on, opened as it was: `plan` a
+    `graphckpt.Plan`, or the `info` of a saved one (a dict)."""
+    fields = ("open_layers", "opened_at", "kept_closed")
+    info = plan if isinstance(plan, Mapping) else {f: getattr(plan, f) for f in fields}
+    if not info.get("open_layers"):
         return build_graph(model)
-    return open_graph(model, None if opened_at is None else [tuple(s) for s in opened_at])[0]
+    at = info.get("opened_at")
+    return open_graph(model, None if at is None else [tuple(s) for s in at], closed=info.get("kept_closed", ()))[0]

@@ -332,3 +332,34 @@ def test_input_shape_alone_does_not_tie_an_opened_model_to_it():
     assert ck.plan.open_layers and ck.plan.opened_at is None
     x = _x()[:2]  # another batch size
     np.testing.assert_allclose(to_numpy(ck(x)), to_numpy(model(x)), rtol=1e-6, atol=1e-6)
+
+
+def test_a_predicate_opens_only_the_layers_it_says_and_the_plan_keeps_that(tmp_path, installed):
+    """`open_layers=callable` opens the blocks but keeps their attention
+    layers whole; the plan records which (`kept_closed`), a saved model
+    reopens the same way, and the fit flag takes the predicate too."""
+    keras.saving.get_custom_objects()["TransformerBlock"] = TransformerBlock
+    try:
+        model = blocks_model(n=2)
+        keep_attention = lambda layer: not isinstance(layer, layers.MultiHeadAttention)  # noqa: E731
+        ck = graphckpt.checkpoint_model(model, segments=4, open_layers=keep_attention)
+        names = [key[0] for seg in ck.plan.segments for key in seg.nodes]
+        attention = [n for n in names if "multi_head_attention" in n]
+        assert len(attention) == 2 and all(n.count("/") == 1 for n in attention)  # inside a block, whole
+        assert any("/layer_normalization" in n for n in names)  # the blocks opened
+        assert len(ck.plan.kept_closed) == 2
+        compare_step(model, ck, _x(), atol=2e-6)
+        ck.save(tmp_path / "ck.keras")
+        loaded = keras.saving.load_model(tmp_path / "ck.keras")
+    finally:
+        del keras.saving.get_custom_objects()["TransformerBlock"]
+    assert loaded.plan.kept_closed == ck.plan.kept_closed
+    assert [len(s.nodes) for s in loaded.plan.segments] == [len(s.nodes) for s in ck.plan.segments]
+    with pytest.raises(graphckpt.InvalidArgumentTypeError, match="open_layers"):
+        graphckpt.plan(model, open_layers="yes")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(_x(), np.zeros((4, 1)), epochs=1, verbose=0, gradient_checkpointing=4, open_layers=keep_attention)
+    from graphckpt.fit import _CACHE_ATTR
+
+    ((_, flag_plan),) = model.__dict__[_CACHE_ATTR].plans.values()
+    assert flag_plan.kept_closed == ck.plan.kept_closed

@@ -118,7 +118,7 @@ def planned(model, planner_kwargs):
         plain = graphckpt.uncheckpoint(model)
         if not {"segments", "budget", "open_layers"} & set(planner_kwargs):
             shape = planner_kwargs.get("input_shape") or model.plan.opened_at
-            graph = plan_graph(plain, model.plan.open_layers, model.plan.opened_at)
+            graph = plan_graph(plain, model.plan)
             graph, _ = sized_graph(graph, shape, planner_kwargs.get("batch_size"))
             return plain, graph, model.plan
         model = plain

@@ -67,6 +67,8 @@ class Plan:
             those of the opened graph.
         opened_at: the input shapes (one per model input) the layers that
             trace only at known shapes were opened at, or None.
+        kept_closed: the paths of the composite layer calls kept whole
+            because a predicate `open_layers` said so.
     """
 
     segments: tuple
@@ -79,6 +81,7 @@ class Plan:
     policy: str | None = None
     open_layers: bool = False
     opened_at: tuple | None = None
+    kept_closed: tuple = ()
 
     @property
     def num_layer_calls(self):
