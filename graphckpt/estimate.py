@@ -392,7 +392,7 @@ def estimate(
         >>> e.peak_bytes / e.baseline_peak_bytes
     """
     if graph is None and isinstance(plan, Plan) and plan.open_layers:  # as the plan was made
-        graph, input_shape = open_graph(model, input_shape or plan.opened_at, batch_size)
+        graph, input_shape = open_graph(model, input_shape or plan.opened_at, batch_size, closed=plan.kept_closed)
     elif graph is None:
         graph = build_graph(model)
     if batch_size is not None:

@@ -351,6 +351,8 @@ def test_a_predicate_opens_only_the_layers_it_says_and_the_plan_keeps_that(tmp_p
         assert len(attention) == 2 and all(n.count("/") == 1 for n in attention)  # inside a block, whole
         assert any("/layer_normalization" in n for n in names)  # the blocks opened
         assert len(ck.plan.kept_closed) == 2
+        # The estimate rebuilds the plan's graph with those layers whole.
+        assert graphckpt.estimate(model, ck.plan).peak_bytes == ck.plan.estimated_peak_bytes
         compare_step(model, ck, _x(), atol=2e-6)
         ck.save(tmp_path / "ck.keras")
         loaded = keras.saving.load_model(tmp_path / "ck.keras")
