@@ -186,7 +186,7 @@ def _planned(
         )
     if open_layers:
         if batch_size is not None:
-            check_batch_size(build_graph(model), batch_size)  # before comparing it with `input_shape`
+            check_batch_size(model, batch_size)  # its value, before comparing it with `input_shape`
         # Sized from the model's input shapes, where no `input_shape` is
         # given: the shapes inside an opened layer are what its trace gave,
         # which can lose a dimension the layer itself knows

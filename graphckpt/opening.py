@@ -130,8 +130,7 @@ _UNTRACEABLE = "its `call` cannot be traced"
 def _open(layer, node, shapes):
     if _own_state(layer):
         return None, "it holds variables or seed generators of its own, which its `call` reads"
-    leaves = tree.flatten((node.arguments.args, {k: v for k, v in node.arguments.kwargs.items() if k not in _ARGS}))
-    if not all(isinstance(v, keras.KerasTensor) or _constant(v) for v in leaves):
+    if not all(isinstance(v, keras.KerasTensor) or _constant(v) for v in tree.flatten(_bind(node, node.input_tensors))):
         return None, "it is called with arguments besides tensors, constants and `training`"
     if any(keras_compat.get_keras_mask(t) is not None for t in node.input_tensors):
         return None, "it is called on tensors with masks"
