@@ -223,9 +223,9 @@ def plan(
 
     Args:
         model: a built functional `keras.Model` or `keras.Sequential`.
-        segments: `"auto"` (default: the number of segments, and where
-            they go, with the least estimated peak; ties go to fewer
-            segments; the last one runs inline), `"sqrt"` (round(sqrt(n))
+        segments: `"auto"` (default: the least estimated peak, and among
+            the plans within 1% of it the one that recomputes least;
+            the last segment runs inline), `"sqrt"` (round(sqrt(n))
             segments over n layer calls, the last one run inline) or an int
             k from 1 to n (k segments, all recomputed). Cuts go where the
             estimated peak is least. Not with `budget` or `policy`.
@@ -311,9 +311,9 @@ def checkpoint_model(
 
     Args:
         model: a built functional `keras.Model` or `keras.Sequential`.
-        segments: `"auto"` (default: the number of segments, and where
-            they go, with the least estimated peak; ties go to fewer
-            segments; the last one runs inline), `"sqrt"` (round(sqrt(n))
+        segments: `"auto"` (default: the least estimated peak, and among
+            the plans within 1% of it the one that recomputes least;
+            the last segment runs inline), `"sqrt"` (round(sqrt(n))
             segments over n layer calls, the last one run inline) or an int
             k from 1 to n (k segments, all recomputed). Cuts go where the
             estimated peak is least. Not with `budget` or `policy`.

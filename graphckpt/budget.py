@@ -168,8 +168,8 @@ def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=
             the_plan = plan_segments(graph, segments=segments, costs=costs, memory=memory)
         except ValueError as e:
             raise errors.InvalidArgumentError(
-                f"{e}. Accepted: 'auto' (the default: the number of segments with the least "
-                "estimated peak), 'sqrt', or an int from 1 to the number of layer calls."
+                f"{e}. Accepted: 'auto' (the default: the least estimated peak, "
+                "recomputing least), 'sqrt', or an int from 1 to the number of layer calls."
             ) from None
         return _with_estimates(the_plan, memory, batch_size), None
     keep = ()

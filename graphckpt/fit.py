@@ -102,7 +102,7 @@ def _check_segments(gradient_checkpointing, budget):
     raise errors.InvalidArgumentError(
         "`gradient_checkpointing` must be True, False, None, 'auto', 'sqrt' or a positive int (a "
         f"number of segments). Received: gradient_checkpointing={flag!r}. Tip: use True for the "
-        "default plan ('auto': the number of segments with the least estimated peak)."
+        "default plan ('auto': the least estimated peak, recomputing least)."
     )
 
 
@@ -256,8 +256,8 @@ _FLAG_DOC = """
     graphckpt (installed by `graphckpt.install()`; `graphckpt.uninstall()`
     removes it) adds three keyword-only arguments:
 
-        gradient_checkpointing: True or "auto" (the number of segments,
-            and where they go, with the least estimated peak), "sqrt"
+        gradient_checkpointing: True or "auto" (the least estimated peak,
+            at the least recompute among plans within 1% of it), "sqrt"
             (round(sqrt(n)) segments over n layer calls), an int (that many
             segments), or False/None (off, the default: plain `fit`). Trains
             this model's own weights with gradient checkpointing, like

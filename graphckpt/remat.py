@@ -14,7 +14,7 @@ import keras
 
 from graphckpt import keras_compat
 
-__all__ = ["segment_remat", "tf_remat", "tf_tie", "jax_remat", "jax_tie", "torch_remat"]
+__all__ = ["segment_remat", "tf_remat", "tf_tie", "jax_remat", "jax_tie", "jax_materialize", "torch_remat"]
 
 
 def segment_remat(f, n_inputs):
@@ -235,9 +235,11 @@ def jax_remat(f, n_tied):
     there (its operands exist only once the gradient does). `jax.checkpoint`
     has no such dependency: XLA's CPU pipeline drops its optimization
     barriers (`cse_barrier_expander`) and merges the recompute back into
-    the forward pass, keeping every activation alive (issue 14). In the
-    forward pass the seed states are tied to the segment's inputs, so that
-    XLA does not draw a segment's randomness at the start of the step.
+    the forward pass, keeping every activation alive (issue 14). The
+    incoming cotangents are first computed into buffers of their own
+    (`jax_materialize`), and in the forward pass the seed states are tied
+    to the segment's inputs, so that XLA neither recomputes a cotangent in
+    every fusion that reads it nor draws a segment's randomness early.
 
     Everything `f` differentiates must be an argument (`custom_vjp`
     refuses closed-over values being differentiated): the trainable values
@@ -263,6 +265,7 @@ def jax_remat(f, n_tied):
         return f(*_states_after_inputs(args, n_tied)), args
 
     def bwd(args, cotangents):
+        cotangents = jax_materialize(cotangents)
         # The inputs, and every non-float argument (seed states: a random
         # draw computed from them alone was merged with the forward pass's
         # and its mask kept until the backward pass, about 20 MiB a GPT-2
@@ -274,35 +277,50 @@ def jax_remat(f, n_tied):
         # stay live as in the forward pass: with them dead, XLA fused the
         # recompute differently from the forward pass, and gradients came
         # out 1 ulp off (the issue-13 chain, tests/test_exact_fit.py).
-        grads = jax_tie(vjp(cotangents), recomputed)
-        return tuple(_inputs_after_weights(grads[:n_tied], grads[n_tied:])) + tuple(grads[n_tied:])
+        return tuple(jax_tie(vjp(cotangents), recomputed))
 
     remat.defvjp(fwd, bwd)
     return remat
 
 
-def _inputs_after_weights(inputs, weights):
-    """A segment's input gradients, tied to its other gradients (weights',
-    moving statistics', seed states') when those are the smaller.
+def jax_materialize(arrays):
+    """`arrays` (a tuple), bit for bit, each computed into a buffer of its own.
 
-    The segment before this one recomputes once these input gradients
-    exist. Tied, it waits for this segment's weight gradients too, and
-    this segment's recomputed interior, which they read, is dead by then;
-    untied, XLA's scheduler may put the weight gradients off to the end of
-    the backward pass and keep every interior alive until then (a residual
-    CNN's: XLA's buffer assignment 127 -> 112 MiB with the tie). The tie
-    holds the weight gradients from then until the optimizer's update, so
-    it is made only when they are smaller than the input gradients, a
-    stand-in for the interior they free (a Dense chain's are larger: tied,
-    its peak rose 18 -> 57 MiB). TensorFlow's path orders them the same
-    way, always, with a control dependency (`tf_remat`)."""
-    if _nbytes(weights) < _nbytes(inputs):
-        return jax_tie(inputs, weights)
-    return list(inputs)
+    XLA fuses cheap elementwise work into every consumer, and it need not
+    compute a value once: a segment's incoming cotangent (the ReLU masks
+    and residual adds of the segments after it) was recomputed inside the
+    fusions that read it, so the buffers it is made of (their convolution
+    gradients, masks) stayed alive across the backward passes of the
+    segments before, until the last such fusion ran (a residual CNN's
+    first stage: 144 MiB in XLA's buffer assignment, 112 MiB with this).
+    Operands of a `lax.cond` cannot be fused into anything inside it, so
+    the arrays go through one whose predicate is true whatever they hold
+    (`(u | 1) != 0`, as in `jax_tie`) and whose taken branch returns them
+    unchanged. `lax.optimization_barrier` does not do this: XLA's CPU
+    pipeline removes barriers before it fuses.
 
+    On the CPU only, where it was measured. On a GPU the host reads a
+    conditional's predicate, a synchronization per segment and step, and
+    whether XLA's GPU fusion recomputes cotangents the same way is not
+    known (no GPU to measure on): there the arrays are returned as they are.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
 
-def _nbytes(arrays):
-    return sum(x.size * x.dtype.itemsize for x in arrays if _jax_floating(x))
+    index = [i for i, x in enumerate(arrays) if _jax_floating(x) and x.size]
+    if not index or jax.default_backend() != "cpu":
+        return tuple(arrays)
+    first = arrays[index[0]]
+    keep = (lax.bitcast_convert_type(jnp.reshape(first, (-1,))[0].astype("float32"), jnp.uint32) | 1) != 0
+    # The other branch is never taken; it only has to differ from the first,
+    # so that the conditional cannot be folded away as two equal branches.
+    taken = lax.cond(keep, lambda xs: xs, lambda xs: tuple(jnp.zeros_like(x) for x in xs),
+                     tuple(arrays[i] for i in index))
+    out = list(arrays)
+    for i, x in zip(index, taken):
+        out[i] = x
+    return tuple(out)
 
 
 def _states_after_inputs(args, n_inputs):
@@ -312,7 +330,7 @@ def _states_after_inputs(args, n_inputs):
     Untied, a random draw depends on its seed alone, and XLA computed the
     threefry counters of every dropout of every segment at the start of
     the step and held them until their segment ran (a Transformer: 145 ->
-    110 MiB in XLA's buffer assignment, benchmarks/jax_estimate.py)."""
+    107 MiB in XLA's buffer assignment, benchmarks/jax_estimate.py)."""
     states = [i for i, x in enumerate(args) if i >= n_inputs and not _jax_floating(x)]
     return _tied(args, states, args[:n_inputs])
 

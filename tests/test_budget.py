@@ -413,7 +413,9 @@ def test_smallest_peak_is_below_auto_and_sqrt_on_real_graphs():
         model = models.ALL[name]()
         e = graphckpt.estimate(model, graphckpt.plan(model, batch_size=16, segments="sqrt"), batch_size=16)
         auto = graphckpt.plan(model, batch_size=16)
-        assert e.smallest_peak_bytes <= auto.estimated_peak_bytes <= e.peak_bytes < e.baseline_peak_bytes
+        # the default: within 1% of the least peak (recomputing least there)
+        assert e.smallest_peak_bytes <= auto.estimated_peak_bytes <= 1.01 * e.smallest_peak_bytes
+        assert e.smallest_peak_bytes <= e.peak_bytes < e.baseline_peak_bytes
         assert math.isclose(
             graphckpt.plan(model, budget=e.smallest_peak_bytes, batch_size=16).estimated_peak_bytes,
             e.smallest_peak_bytes,

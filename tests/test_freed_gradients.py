@@ -78,8 +78,8 @@ def test_weight_heavy_chain_plans_one_segment_on_torch():
     """32 x Dense(256) at batch 8: the weights' gradients (256 KiB a call)
     dwarf the activations (8 KiB), so the backward pass of every segment
     but the first runs far below the step's start: the least peak is one
-    recomputed segment, and an inline last call."""
+    recomputed segment between a first call and the last ones run inline."""
     model = models.chain(depth=32, width=256)
     plan = graphckpt.plan(model, batch_size=8)
-    assert [s.remat for s in plan.segments] == [True, False]
-    assert len(plan.segments[1].nodes) == 1
+    assert [s.remat for s in plan.segments] == [False, True, False]
+    assert len(plan.segments[0].nodes) == 1 and len(plan.segments[1].nodes) >= 28

@@ -287,7 +287,12 @@ def _task(arch):
 
 
 def _fit_task(model, x, y, flag):
-    model.compile(optimizer=keras.optimizers.Adam(1e-2))  # the task's own loss and metrics
+    # SGD, where rounding does not grow: Adam scales the round-off of a
+    # gradient whose true value is zero (attention key biases) up to full
+    # steps, so two compilations of the plain model itself drift apart on
+    # JAX (docs/limitations.md). Momentum, so the weights move far enough
+    # in two epochs for a wrong gradient to show.
+    model.compile(optimizer=keras.optimizers.SGD(1e-2, momentum=0.9))  # the task's own loss and metrics
     keras.utils.set_random_seed(1)  # the same Dropout masks
     history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, gradient_checkpointing=flag)
     return history.history
@@ -295,10 +300,9 @@ def _fit_task(model, x, y, flag):
 
 @pytest.mark.parametrize(
     "arch, segments",
-    # CI runs the two whose backbones needed a flattening fix, ViT, whose
-    # Adam-trained key biases (true gradient zero) catch a change of
-    # rounding on JAX, and BART, whose two branches caught a change of
-    # Dropout order on PyTorch; the rest are slow. On every backend.
+    # CI runs the two whose backbones needed a flattening fix, ViT, and
+    # BART, whose two branches caught a change of Dropout order on PyTorch;
+    # the rest are slow. On every backend.
     [pytest.param("llama", 3, marks=pytest.mark.slow), ("gemma3", 3), ("bert", 3),
      ("vit", 2), ("bart", 3), pytest.param("resnet", 3, marks=pytest.mark.slow)],
 )

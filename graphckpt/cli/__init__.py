@@ -51,7 +51,7 @@ def _parser():
     planning.add_argument(
         "--segments",
         metavar="auto|sqrt|N",
-        help="number of segments: 'auto' (default: the count with the least estimated peak), 'sqrt' or an integer",
+        help="number of segments: 'auto' (default: the least estimated peak, recomputing least), 'sqrt' or an integer",
     )
     planning.add_argument(
         "--budget", metavar="B", help="memory budget: bytes with a unit (2GiB, 800MB), or a fraction of the baseline (0.3)"

@@ -9,7 +9,6 @@ and `segment_peaks` / `estimated_peak` / `baseline_peak` read every
 segment's peak in O(1). This module never imports Keras; it uses numpy.
 """
 
-import functools
 
 from graphckpt.planner.costs import NodeCosts, SegmentPeak, graph_costs
 from graphckpt.planner.data import tensor_consumers, topological_order
@@ -212,27 +211,6 @@ class MemoryModel:
             diff[i + 1, i + 1] -= c
             diff[i + 1, last[i] + 1] += c
         return np.cumsum(np.cumsum(diff, axis=0), axis=1)[: n + 1, : n + 1]
-
-    # For the search over segment counts (`segments="auto"`), made when
-    # first read: columns as contiguous rows, and spans [a, b) with a >= b
-    # ruled out.
-    @functools.cached_property
-    def inner_remat_t(self):
-        import numpy as np
-
-        return np.ascontiguousarray(self.inner_remat.T)
-
-    @functools.cached_property
-    def held_remat_t(self):
-        import numpy as np
-
-        return np.ascontiguousarray(self.held_remat.T)
-
-    @functools.cached_property
-    def inner_remat_masked(self):
-        import numpy as np
-
-        return np.where(np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), 1), self.inner_remat, np.inf)
 
     def inner(self, a, b, remat):
         """A segment's own peak during its backward pass (`inner` above)."""

@@ -1,11 +1,12 @@
 """Searches over segment counts: where to cut for the least estimated peak.
 
 `plan_segments` cuts a graph's layer calls into a given number of segments
-(`"sqrt"`, an int), or into the number whose estimated peak is least
-(`"auto"`), each time where the memory model (`graphckpt.planner.memory`)
-says the peak is least. Every search is a dynamic program over the cut
-positions of one topological order, run inside one bisection over integer
-byte caps (`least_fitting_cap`). This module never imports Keras.
+(`"sqrt"`, an int) where the memory model (`graphckpt.planner.memory`) says
+the peak is least, or (`"auto"`) finds the least peak any plan reaches and,
+among the plans within 1% of it, the one that recomputes least. Every search
+is a dynamic program over the cut positions of one topological order, run
+inside one bisection over integer byte caps (`least_fitting_cap`). This
+module never imports Keras.
 
 References:
     Chen, Xu, Zhang, Guestrin. "Training Deep Nets with Sublinear Memory
@@ -20,6 +21,7 @@ import math
 import numbers
 
 from graphckpt.planner.data import plan_from_boundaries, topological_order
+from graphckpt.planner.front import least_recompute
 from graphckpt.planner.memory import graph_costs, memory_model_for
 
 __all__ = ["SEGMENT_CHOICES", "plan_segments", "least_fitting_cap", "least_held_fits"]
@@ -109,63 +111,26 @@ def _least_peak_boundaries(spans, k, last_kept):
     return _fewest_held(spans, k, cap, last_kept)
 
 
-def _fits_any_count(spans, cap):
-    """Whether some plan of recomputed segments followed by one segment run
-    as it is (any number of segments) keeps every peak within `cap`.
+# How far above the least estimated peak the default plan may go to
+# recompute less: a plan within 1% of it is as good for memory, since the
+# estimate itself is not closer to a measured peak than that.
+AUTO_TOLERANCE = 0.01
 
-    Dynamic programming over cut positions keeping, per position, the least
-    bytes held for the later segments (later peaks only grow with it)."""
+
+def _auto_segments(spans, fixed):
+    """`(a, b, remat)` of the default plan: the least recompute among the
+    plans whose estimated peak is within `AUTO_TOLERANCE` of the least any
+    plan of one level reaches (segments recomputed or run as they are, in
+    any order; `fixed` is the memory every plan holds).
+
+    Among plans of the least peak, the one that recomputes least: the
+    search of `graphckpt.planner.front` (the budget search) at that peak."""
     import numpy as np
 
-    n = spans.n
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
-    inner, held = spans.inner_remat_t, spans.held_remat_t  # [b, a]: contiguous columns
-    for b in range(1, n):
-        prev = best[:b]
-        vals = np.where(prev + inner[b, :b] <= cap, prev + held[b, :b], np.inf)
-        best[b] = vals.min()
-    return bool((best[:n] + spans.inner_kept[:n, n] <= cap).any())
-
-
-def _fewest_segments(spans, cap):
-    """The fewest segments (recomputed ones, then one run as it is) of a plan
-    whose peaks all fit `cap`, or None when no plan fits.
-
-    Counts up, one segment at a time, over the least bytes held for each
-    (count, cut position), each step vectorized over every cut. It stops
-    when a plan fits, or when another segment lowers the held bytes at no
-    cut position: then no plan with more segments fits either."""
-    import numpy as np
-
-    n = spans.n
-    prev = np.full(n + 1, np.inf)  # least held, by cut position, for j segments
-    prev[0] = 0.0
-    seen = prev.copy()  # the least over every count so far
-    for j in range(1, n + 1):
-        if (prev[:n] + spans.inner_kept[:n, n] <= cap).any():
-            return j  # j - 1 recomputed segments, then the last one
-        rows = np.flatnonzero(np.isfinite(prev[:n]))
-        base = prev[rows, None]
-        vals = np.where(base + spans.inner_remat_masked[rows] <= cap, base + spans.held_remat[rows], np.inf)
-        prev = np.full(n + 1, np.inf)
-        prev[: n] = vals[:, :n].min(axis=0)
-        if not (prev < seen).any():
-            return None
-        seen = np.minimum(seen, prev)
-    return None
-
-
-def _auto_boundaries(spans):
-    """Start positions of the plan whose estimated peak is least over every
-    number of segments (recomputed ones, then one run as it is); among
-    those, the fewest segments, then the fewest bytes held.
-
-    Bisection over integer byte caps: the plan with one segment run as it
-    is (the original model) always fits its own peak."""
-    cap = least_fitting_cap(spans.inner_kept[0, spans.n], lambda cap: _fits_any_count(spans, cap))
-    k = _fewest_segments(spans, cap)
-    return _fewest_held(spans, k, cap, True)
+    forbidden = np.zeros(spans.n + 1, dtype=np.int64)
+    least = least_fitting_cap(spans.inner_kept[0, spans.n], lambda cap: least_held_fits(spans, cap, forbidden))
+    cap = least + int(AUTO_TOLERANCE * (least + fixed))  # whole bytes, as the front search prefers
+    return least_recompute(spans, cap, forbidden)[1]  # the least peak itself fits
 
 
 SEGMENT_CHOICES = ("auto", "sqrt")
@@ -182,13 +147,15 @@ def plan_segments(graph, segments="auto", costs=None, *, memory=None):
 
     Args:
         graph: a layer-call graph (see `graphckpt.graph`).
-        segments: `"auto"` (default) chooses the number of segments too: the
-            least estimated peak over every count (ties: fewer segments),
-            the last segment run as it is (its backward pass follows its
-            forward pass at once, so recomputing it would save nothing).
-            On a uniform chain that is about sqrt(n) segments; on a
-            transformer stack about one block per segment; one segment run
-            as it is (no recompute) when no cut lowers the estimate.
+        segments: `"auto"` (default) chooses the number of segments too,
+            and which ones to recompute: among the plans whose estimated
+            peak is within `AUTO_TOLERANCE` (1%) of the least any plan
+            reaches, the one that recomputes least (segments run as they
+            are where they fit under that peak: the last one always, since
+            its backward pass follows its forward pass at once). On a
+            uniform chain that is about sqrt(n) segments; on a transformer
+            stack about one block per segment; one segment run as it is
+            (no recompute) when no cut lowers the estimate.
             `"sqrt"`: round(sqrt(n)) segments over n layer calls, the last
             one run as it is. A positive int k no larger than n: k
             segments, all recomputed.
@@ -221,12 +188,12 @@ def plan_segments(graph, segments="auto", costs=None, *, memory=None):
         costs = memory.costs if memory is not None and memory.graph is graph else graph_costs(graph)
     spans = memory_model_for(graph, costs, order, memory)
     if strategy == "auto":
-        starts = _auto_boundaries(spans)
-        last_kept = True
+        segments = _auto_segments(spans, costs.fixed)
+        starts, remat = [a for a, _, _ in segments], [r for _, _, r in segments]
     else:
         k = max(1, round(math.sqrt(n))) if strategy == "sqrt" else int(segments)
         last_kept = strategy == "sqrt" and k > 1
         starts = _least_peak_boundaries(spans, k, last_kept)
-    remat = [True] * (len(starts) - 1) + [not last_kept]
+        remat = [True] * (len(starts) - 1) + [not last_kept]
     return plan_from_boundaries(graph, order, starts, strategy=strategy, remat=remat)
 
