@@ -68,9 +68,18 @@ def summarize(runs):
 KINDS = ("family", "acceptance", "scaling")
 
 
+# Reruns of the default plan alone (baseline and `graphckpt default`, each
+# round side by side), written by `run_all.py --methods "graphckpt default"
+# --out benchmarks/results/default_plan`: when the default plan changes, its
+# rows are rerun without rerunning every other method.
+DEFAULT_RERUNS = "default_plan"
+
+
 def load(folder):
     """name -> payload for every run_all.py results JSON in `folder` (other
-    scripts' results there are skipped)."""
+    scripts' results there are skipped). A family's `graphckpt default` row
+    comes from its rerun in `folder/default_plan/` where there is one
+    (`payload["default_rerun"]`), against that rerun's own baselines."""
     out = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         with open(path) as f:
@@ -79,7 +88,19 @@ def load(folder):
             if payload["kind"] != "scaling":
                 payload["summary"] = summarize(payload["runs"])  # results of older versions too
             out[os.path.splitext(os.path.basename(path))[0]] = payload
+    for name, rerun in load_reruns(folder).items():
+        if name in out and DEFAULT in rerun["summary"]:
+            out[name]["summary"][DEFAULT] = rerun["summary"][DEFAULT]
+            out[name]["default_rerun"] = rerun
     return out
+
+
+def load_reruns(folder):
+    """name -> payload of the default-plan reruns under `folder`."""
+    sub = os.path.join(folder, DEFAULT_RERUNS)
+    if os.path.basename(os.path.normpath(folder)) == DEFAULT_RERUNS or not os.path.isdir(sub):
+        return {}
+    return load(sub)
 
 
 def _mib(n):
@@ -144,7 +165,15 @@ def source_note(payload):
         git = f", git {src['git_head']}" + (" + uncommitted changes" if src.get("uncommitted_changes") else "")
         parts.append(f"`{sha}`" + (git if src.get("git_head") else ""))
     lead = "graphckpt source " if len(seen) == 1 else f"**{len(seen)} different graphckpt sources** across runs: "
-    return lead + "; ".join(parts)
+    note = lead + "; ".join(parts)
+    rerun = payload.get("default_rerun")
+    if rerun:
+        note += (
+            f". The `{DEFAULT}` row was rerun on {rerun['date'][:10]} ({rerun['settings']['repeats']} rounds, "
+            f"each beside its own baseline, {source_note(rerun)}; `run_all.py --families {payload['family']} "
+            f"--methods '{DEFAULT}' --repeats {rerun['settings']['repeats']} --out benchmarks/results/{DEFAULT_RERUNS}`)"
+        )
+    return note
 
 
 def _short(error, n=160):
@@ -425,9 +454,9 @@ def write_docs(results, root):
         "- **equal segments (sqrt)**: the analogue of `torch.utils.checkpoint.checkpoint_sequential`: "
         "round(sqrt(n)) runs of equal length over Keras's execution order, no preference for cheap cuts, "
         "through graphckpt's exact `Segment` layer (so only the cuts differ from graphckpt's default).\n"
-        "- **graphckpt default**: `graphckpt.checkpoint_model(model)` (`segments='auto'`): the number of "
-        "segments and the cuts with the least estimated peak (ties: fewer segments), boundaries where few "
-        "bytes cross.\n"
+        "- **graphckpt default**: `graphckpt.checkpoint_model(model)` (`segments='auto'`): the "
+        "plan of least recompute among those whose estimated peak is within 1% of the least any plan reaches, "
+        "boundaries where few bytes cross.\n"
         "- **graphckpt budget=sqrt / min / 0.5**: `checkpoint_model(model, budget=..., batch_size=...)`, the "
         "plan of least recompute whose *estimated* peak fits: `sqrt` is the sqrt plan's own estimated peak "
         "(same memory, less recompute expected), `min` the smallest estimated peak of any plan, `0.5` half the "

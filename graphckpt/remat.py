@@ -292,7 +292,7 @@ def jax_materialize(arrays):
     fusions that read it, so the buffers it is made of (their convolution
     gradients, masks) stayed alive across the backward passes of the
     segments before, until the last such fusion ran (a residual CNN's
-    first stage: 144 MiB in XLA's buffer assignment, 112 MiB with this).
+    first stage: 168 MiB in XLA's buffer assignment, 112 MiB with this).
     Operands of a `lax.cond` cannot be fused into anything inside it, so
     the arrays go through one whose predicate is true whatever they hold
     (`(u | 1) != 0`, as in `jax_tie`) and whose taken branch returns them
