@@ -80,6 +80,17 @@ def load(folder):
     scripts' results there are skipped). A family's `graphckpt default` row
     comes from its rerun in `folder/default_plan/` where there is one
     (`payload["default_rerun"]`), against that rerun's own baselines."""
+    out = _payloads(folder)
+    for name, rerun in _payloads(os.path.join(folder, DEFAULT_RERUNS)).items():
+        if name in out and DEFAULT in rerun["summary"]:
+            out[name]["summary"][DEFAULT] = rerun["summary"][DEFAULT]
+            out[name]["default_rerun"] = rerun
+    return out
+
+
+def _payloads(folder):
+    """name -> payload of the run_all.py results JSONs in `folder` (none
+    where it does not exist)."""
     out = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         with open(path) as f:
@@ -88,19 +99,7 @@ def load(folder):
             if payload["kind"] != "scaling":
                 payload["summary"] = summarize(payload["runs"])  # results of older versions too
             out[os.path.splitext(os.path.basename(path))[0]] = payload
-    for name, rerun in load_reruns(folder).items():
-        if name in out and DEFAULT in rerun["summary"]:
-            out[name]["summary"][DEFAULT] = rerun["summary"][DEFAULT]
-            out[name]["default_rerun"] = rerun
     return out
-
-
-def load_reruns(folder):
-    """name -> payload of the default-plan reruns under `folder`."""
-    sub = os.path.join(folder, DEFAULT_RERUNS)
-    if os.path.basename(os.path.normpath(folder)) == DEFAULT_RERUNS or not os.path.isdir(sub):
-        return {}
-    return load(sub)
 
 
 def _mib(n):

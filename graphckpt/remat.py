@@ -295,8 +295,8 @@ def jax_materialize(arrays):
     first stage: 168 MiB in XLA's buffer assignment, 112 MiB with this).
     Operands of a `lax.cond` cannot be fused into anything inside it, so
     the arrays go through one whose predicate is true whatever they hold
-    (`(u | 1) != 0`, as in `jax_tie`) and whose taken branch returns them
-    unchanged. `lax.optimization_barrier` does not do this: XLA's CPU
+    (`_true_of` the first, as for `jax_tie`'s select) and whose taken
+    branch returns them unchanged. `lax.optimization_barrier` does not do this: XLA's CPU
     pipeline removes barriers before it fuses.
 
     On the CPU only, where it was measured. On a GPU the host reads a
@@ -311,8 +311,7 @@ def jax_materialize(arrays):
     index = [i for i, x in enumerate(arrays) if _jax_floating(x) and x.size]
     if not index or jax.default_backend() != "cpu":
         return tuple(arrays)
-    first = arrays[index[0]]
-    keep = (lax.bitcast_convert_type(jnp.reshape(first, (-1,))[0].astype("float32"), jnp.uint32) | 1) != 0
+    keep = _true_of([arrays[index[0]]])
     # The other branch is never taken; it only has to differ from the first,
     # so that the conditional cannot be folded away as two equal branches.
     taken = lax.cond(keep, lambda xs: xs, lambda xs: tuple(jnp.zeros_like(x) for x in xs),
@@ -349,6 +348,22 @@ def _jax_floating(x):
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _true_of(arrays):
+    """A boolean scalar computed from `arrays` (floating, non-empty) that is
+    true whatever they hold: `(u | 1) != 0`, `u` the bits of each array's
+    first element, OR'ed. None when there are no arrays."""
+    if not arrays:
+        return None
+    import jax.numpy as jnp
+    from jax import lax
+
+    u = None
+    for a in arrays:
+        bits = lax.bitcast_convert_type(jnp.reshape(a, (-1,))[0].astype("float32"), jnp.uint32)
+        u = bits if u is None else u | bits
+    return (u | 1) != 0
+
+
 def jax_tie(arrays, cotangents):
     """`arrays`, with their values bit for bit, as results of the
     cotangents.
@@ -368,17 +383,9 @@ def jax_tie(arrays, cotangents):
     import jax.numpy as jnp
     from jax import lax
 
-    bits = [
-        lax.bitcast_convert_type(jnp.reshape(c, (-1,))[0].astype("float32"), jnp.uint32)
-        for c in cotangents
-        if jnp.issubdtype(c.dtype, jnp.floating) and c.size
-    ]
-    if not bits:
+    keep = _true_of([c for c in cotangents if _jax_floating(c) and c.size])
+    if keep is None:
         return list(arrays)
-    u = bits[0]
-    for b in bits[1:]:
-        u = u | b
-    keep = (u | 1) != 0
     return [
         x if x.dtype == jax.dtypes.float0 else lax.select(jnp.broadcast_to(keep, x.shape), x, jnp.zeros_like(x))
         for x in arrays

@@ -19,7 +19,7 @@ from graphckpt.planner.data import plan_from_boundaries
 from graphckpt.planner.front import least_recompute
 from graphckpt.planner.memory import memory_model_for
 from graphckpt.planner.nested import plan_two_level, smallest_two_level
-from graphckpt.planner.search import least_fitting_cap, least_held_fits
+from graphckpt.planner.search import least_peak
 
 __all__ = ["BudgetInfeasible", "plan_for_budget", "smallest_peak"]
 
@@ -58,12 +58,7 @@ def smallest_peak(graph, costs, *, keep=(), memory=None):
         memory: a `MemoryModel` of `graph` and `costs` to reuse, if at hand.
     """
     spans = memory_model_for(graph, costs, None, memory)
-    return _smallest(spans, _forbidden_prefix(spans.order, set(keep))) + costs.fixed
-
-
-def _smallest(spans, forbidden):
-    # One kept segment (the original model) always fits its own peak.
-    return least_fitting_cap(spans.inner_kept[0, spans.n], lambda cap: least_held_fits(spans, cap, forbidden))
+    return least_peak(spans, _forbidden_prefix(spans.order, set(keep))) + costs.fixed
 
 
 def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", memory=None, two_level=True):
@@ -134,7 +129,7 @@ def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", m
         if found is not None:
             segments, inner = found
     if found is None:
-        smallest = _smallest(spans, forbidden)
+        smallest = least_peak(spans, forbidden)
         if two_level and spans.n > 1:
             smallest = smallest_two_level(spans, forbidden, smallest)
         smallest = int(math.ceil(smallest + costs.fixed))

@@ -9,7 +9,6 @@ and `segment_peaks` / `estimated_peak` / `baseline_peak` read every
 segment's peak in O(1). This module never imports Keras; it uses numpy.
 """
 
-
 from graphckpt.planner.costs import NodeCosts, SegmentPeak, graph_costs
 from graphckpt.planner.data import tensor_consumers, topological_order
 

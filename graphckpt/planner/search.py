@@ -24,7 +24,7 @@ from graphckpt.planner.data import plan_from_boundaries, topological_order
 from graphckpt.planner.front import least_recompute
 from graphckpt.planner.memory import graph_costs, memory_model_for
 
-__all__ = ["SEGMENT_CHOICES", "plan_segments", "least_fitting_cap", "least_held_fits"]
+__all__ = ["SEGMENT_CHOICES", "plan_segments", "least_fitting_cap", "least_held_fits", "least_peak"]
 
 
 def least_fitting_cap(hi, fits):
@@ -62,6 +62,14 @@ def least_held_fits(spans, cap, forbidden):
         k = np.where(ok_kept, free + spans.held_kept[:b, b], inf)
         best[b, 0], best[b, 1] = r.min(), k.min()
     return bool(np.isfinite(best[n]).any())
+
+
+def least_peak(spans, forbidden):
+    """The least estimated peak (without the fixed bytes) of any plan of one
+    level: segments recomputed or run as they are, none recomputing a call
+    marked in `forbidden` (a prefix count). One segment run as it is (the
+    original model) always fits its own peak."""
+    return least_fitting_cap(spans.inner_kept[0, spans.n], lambda cap: least_held_fits(spans, cap, forbidden))
 
 
 def _fewest_held(spans, k, cap, last_kept):
@@ -128,7 +136,7 @@ def _auto_segments(spans, fixed):
     import numpy as np
 
     forbidden = np.zeros(spans.n + 1, dtype=np.int64)
-    least = least_fitting_cap(spans.inner_kept[0, spans.n], lambda cap: least_held_fits(spans, cap, forbidden))
+    least = least_peak(spans, forbidden)
     cap = least + int(AUTO_TOLERANCE * (least + fixed))  # whole bytes, as the front search prefers
     return least_recompute(spans, cap, forbidden)[1]  # the least peak itself fits
 
