@@ -35,7 +35,7 @@ import weakref
 
 import keras
 
-from graphckpt import errors, fit_data, keras_compat
+from graphckpt import errors, fit_data, keras_compat, tracing
 from graphckpt.fit_report import add_hint_to_uncaught_errors, say_plan
 
 __all__ = ["install", "uninstall", "is_installed", "fit"]
@@ -121,19 +121,21 @@ def _arguments_key(model, planner_kwargs):
     return arguments, model.dtype_policy.name, tuple(v.trainable for v in model.variables)
 
 
-def _twin_for(model, planner_kwargs, without_shapes=None):
+def _twin_for(model, planner_kwargs, without_shapes=None, traced=None):
     """The cached checkpointed twin of `model` for these planner arguments,
     or None when there is nothing to recompute. Planned once per model and
     arguments (`_arguments_key`); `without_shapes`: the arguments to plan
     with instead if the data's shapes don't fit the model (see
-    `with_data_shapes`)."""
+    `with_data_shapes`); `traced`: the `tracing.Traced` graph of a
+    subclassed model's `call`, planned in place of the model."""
     cache = model.__dict__.get(_CACHE_ATTR)
     if cache is None:
         cache = _Cache()
         object.__setattr__(model, _CACHE_ATTR, cache)
-    key = _arguments_key(model, planner_kwargs)
+    key = (_arguments_key(model, planner_kwargs), None if traced is None else id(traced.functional))
     if key not in cache.plans:
-        cache.plans[key] = _plan_twin(model, cache, planner_kwargs, without_shapes)
+        graph_model = model if traced is None else traced.functional
+        cache.plans[key] = _plan_twin(graph_model, cache, planner_kwargs, without_shapes, name=model.name)
     found = cache.plans[key]
     if isinstance(found, str):
         warnings.warn(
@@ -146,10 +148,10 @@ def _twin_for(model, planner_kwargs, without_shapes=None):
     return twin
 
 
-def _plan_twin(model, cache, planner_kwargs, without_shapes):
+def _plan_twin(model, cache, planner_kwargs, without_shapes, name):
     """Plans `model` (one graph build) and makes its twin: `(twin, plan)`,
     or why there is nothing to recompute (a string, with any nested model
-    kept whole)."""
+    kept whole). `name`: the name of the model `fit` trains, for warnings."""
     from graphckpt import api
     from graphckpt.checkpointed import checkpointed_model
     from graphckpt.graph import kept_whole_note
@@ -158,14 +160,14 @@ def _plan_twin(model, cache, planner_kwargs, without_shapes):
     if "input_shape" in planner_kwargs and fit_data.checked_shapes(model, planner_kwargs["input_shape"]) is None:
         planner_kwargs = without_shapes if without_shapes is not None else planner_kwargs
     result = api.planned(model, **planner_kwargs)  # raises the same errors as checkpoint_model
-    result.warn_if_unchanged(model.name, stacklevel=5)
+    result.warn_if_unchanged(name, stacklevel=5)
     the_plan, note = result.plan, kept_whole_note(result.graph)
     if the_plan.num_layer_calls < 2 or not any(getattr(s, "remat", True) for s in the_plan.segments):
         return note
     key = _plan_key(the_plan)
     if key not in cache.twins:
         if note:
-            warnings.warn(f"Model '{model.name}':{note}", errors.GraphckptWarning, stacklevel=5)
+            warnings.warn(f"Model '{name}':{note}", errors.GraphckptWarning, stacklevel=5)
         ck = checkpointed_model(model, result.graph, the_plan)
         cache.twins[key] = _Twin(ck, [l for l in ck.layers if isinstance(l, Segment)])
     return cache.twins[key], the_plan
@@ -181,29 +183,48 @@ def _same_compile(twin, model):
     return token is not None and token() is not None and token() is keras_compat.compile_config(model)
 
 
-def _training_call(model, twin):
-    """The instance `call` that routes training through `twin`."""
+def _training_call(model, twin, traced=None):
+    """The instance `call` that routes training through `twin`. `traced`:
+    the `tracing.Traced` graph `twin` was made of (a subclassed model),
+    which takes the inputs alone and returns the losses `call` added too."""
     own_call = model.call  # the bound method the class (or instance) had
+    takes_training = "training" in inspect.signature(own_call).parameters
 
-    def call(inputs, training=None, mask=None, **kwargs):
-        if not training:
-            return own_call(inputs, training=training, mask=mask, **kwargs)
+    def call(*args, **kwargs):
+        if takes_training and not kwargs.get("training"):
+            return own_call(*args, **kwargs)
+        if traced is not None and (len(args) != 1 or any(v is not None for k, v in kwargs.items() if k != "training")):
+            _warn_untraced_call(model, kwargs)
+            return own_call(*args, **kwargs)
         for seg in twin.segments:
             keras_compat.clear_losses(seg)
-        outputs = twin.model(inputs, training=training, mask=mask, **kwargs)
+        outputs = twin.model(*args, **kwargs)
+        losses = []
+        if traced is not None:
+            outputs, losses = traced.split(outputs)
         # Segments are not the model's sublayers: move their losses. In a
         # stateless scope too (JAX's trainer): the scope holds them, but
         # `model.losses` there keeps only those its own layers added (by
         # `_loss_ids`), so left with the segments they would be dropped.
         # `Functional.add_loss` is unimplemented; the base one records it.
         for seg in twin.segments:
-            losses = keras_compat.own_losses(seg)
+            losses += keras_compat.own_losses(seg)
             keras_compat.clear_losses(seg)
-            if losses:
-                keras.layers.Layer.add_loss(model, losses)
+        if losses:
+            keras.layers.Layer.add_loss(model, losses)
         return outputs
 
     return call
+
+
+def _warn_untraced_call(model, kwargs):
+    given = sorted(k for k, v in kwargs.items() if k != "training" and v is not None)
+    warnings.warn(
+        f"Model '{model.name}': a training call with arguments its traced `call` was not made for "
+        f"({', '.join(given) or 'more than one positional input'}) runs without gradient checkpointing.",
+        errors.GraphckptWarning,
+        stacklevel=3,
+    )
 
 
 def _check_own_call(model):
@@ -224,16 +245,24 @@ def _check_own_call(model):
 
 
 def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
-    fit_data.build_like_fit(model, original, args, kwargs)
-    _check_own_call(model)
-    twin = _twin_for(model, *fit_data.with_data_shapes(planner_kwargs, original, model, args, kwargs))
+    traced = None
+    if tracing.is_subclassed(model):
+        traced = _traced(original, model, planner_kwargs, args, kwargs)
+        if traced is None:
+            return original(model, *args, **kwargs)
+        if not planner_kwargs.get("open_layers"):
+            planner_kwargs = dict(planner_kwargs, open_layers=tracing.nested_models)
+    else:
+        fit_data.build_like_fit(model, original, args, kwargs)
+        _check_own_call(model)
+    twin = _twin_for(model, *fit_data.with_data_shapes(planner_kwargs, original, model, args, kwargs), traced=traced)
     if twin is None:
         return original(model, *args, **kwargs)
     say_plan(model, twin.plan, _fit_argument(original, model, args, kwargs, "verbose", "auto"))
     saved_call = model.__dict__.get("call", _MISSING)
     saved_fn = getattr(model, "train_function", None)
     model.train_function = twin.train_function if _same_compile(twin, model) else None
-    object.__setattr__(model, "call", _training_call(model, twin))
+    object.__setattr__(model, "call", _training_call(model, twin, traced))
     try:
         return original(model, *args, **kwargs)
     finally:
@@ -244,6 +273,27 @@ def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
         twin.train_function = getattr(model, "train_function", None)
         twin.compiled_with = _compile_token(model)
         model.train_function = saved_fn
+
+
+def _traced(original, model, planner_kwargs, args, kwargs):
+    """The traced graph of a subclassed `model`'s `call` for the data's
+    first batch (`tracing.trace_model`; the model is built on that batch
+    first, as `fit` builds it). A `call` that can't be traced raises, or,
+    for `gradient_checkpointing="auto"`, warns and returns None: plain fit."""
+    why = "is subclassed, and the flag traces its `call` into a layer graph"
+    batch = fit_data.first_batch(model, original, args, kwargs, why)
+    try:
+        if not model.built:  # as the trainer builds it; a `call` that can't run so is refused by the trace
+            keras_compat.compute_output_spec(model, batch, training=False)
+    except Exception:  # noqa: BLE001, S110
+        pass
+    try:
+        return tracing.trace_model(model, batch)
+    except errors.UnsupportedModelError as e:
+        if planner_kwargs.get("segments") != "auto":
+            raise
+        warnings.warn(f"{e} Plain fit.", errors.GraphckptWarning, stacklevel=5)
+        return None
 
 
 def _fit_argument(original, model, args, kwargs, name, default):

@@ -10,7 +10,7 @@ import keras
 
 from graphckpt import errors, keras_compat
 
-__all__ = ["with_data_shapes", "data_shapes", "checked_shapes", "is_batched", "build_like_fit"]
+__all__ = ["with_data_shapes", "data_shapes", "checked_shapes", "is_batched", "build_like_fit", "first_batch"]
 
 
 def with_data_shapes(planner_kwargs, original, model, args, kwargs):
@@ -120,13 +120,27 @@ def build_like_fit(model, original, args, kwargs):
     """Builds an unbuilt Sequential as `fit` would on its first batch, so
     that it has a layer graph to plan: Keras's trainer runs the model
     symbolically on a batch of the data's shapes and dtypes
-    (`backend.compute_output_spec(model, x, training=False)`). Arrays are
-    read as the trainer batches them (`keras_compat.first_batch_spec`), a
-    `tf.data` dataset by its `element_spec`. Other data (generators,
-    `PyDataset`s) can't be read without consuming it, so it is refused,
-    with how to build the model first."""
+    (`backend.compute_output_spec(model, x, training=False)`)."""
     if not isinstance(model, keras.Sequential) or model.built:
         return
+    batch = first_batch(model, original, args, kwargs, "is not built, and the flag plans on its layer graph, so it builds the model")
+    from keras import tree
+
+    shapes = [tuple(t.shape) for t in tree.flatten(batch)]
+    if len(shapes) == 1 and None in shapes[0]:
+        # What running it on such a batch builds, on every backend (PyTorch's
+        # symbolic run would put a placeholder size in place of None).
+        model.build(shapes[0])
+    else:
+        keras_compat.compute_output_spec(model, batch, training=False)
+
+
+def first_batch(model, original, args, kwargs, why):
+    """`KerasTensor`s like the first batch `fit` feeds `model` (a structure
+    like `x`). Arrays are read as the trainer batches them
+    (`keras_compat.first_batch_spec`), a `tf.data` dataset by its
+    `element_spec`. Other data (generators, `PyDataset`s) can't be read
+    without consuming it, so it is refused, saying `why` it is needed."""
     from keras import tree
     from keras.utils import unpack_x_y_sample_weight
 
@@ -135,23 +149,19 @@ def build_like_fit(model, original, args, kwargs):
     spec = getattr(x, "element_spec", None)
     if spec is not None:
         x_spec = unpack_x_y_sample_weight(spec)[0]
-        batch = tree.map_structure(lambda s: keras.KerasTensor(tuple(s.shape), dtype=s.dtype.name), x_spec)
-    elif data_shapes(x, batch_size, 0.0) is not None and not is_batched(x):
+        return tree.map_structure(lambda s: keras.KerasTensor(tuple(s.shape), dtype=s.dtype.name), x_spec)
+    if data_shapes(x, batch_size, 0.0) is not None and not is_batched(x):
         examples = len(tree.flatten(x)[0])
         train = int(math.ceil(examples * (1.0 - (bound.get("validation_split") or 0.0))))
-        batch = keras_compat.first_batch_spec(tree.map_structure(lambda a: a[:train], x), batch_size)
-    else:
-        raise errors.UnsupportedModelError(
-            f"Sequential model '{model.name}' is not built, and `fit(gradient_checkpointing=...)` "
-            "plans on its layer graph before training starts, so it builds the model from the data's "
-            f"first batch, as `fit` would. It cannot read that batch from x of type {type(x).__name__} "
-            "without consuming it (expected arrays or a `tf.data.Dataset`). Tip: build the model "
-            "first: `keras.Input(shape)` as its first layer, or `model.build((None, ...))`."
+        return keras_compat.first_batch_spec(tree.map_structure(lambda a: a[:train], x), batch_size)
+    kind = "Sequential model" if isinstance(model, keras.Sequential) else "Model"
+    raise errors.UnsupportedModelError(
+        f"{kind} '{model.name}' {why} from the data's first batch, as `fit` would. It cannot read that "
+        f"batch from x of type {type(x).__name__} without consuming it (expected arrays or a "
+        "`tf.data.Dataset`). Tip: "
+        + (
+            "build the model first: `keras.Input(shape)` as its first layer, or `model.build((None, ...))`."
+            if isinstance(model, keras.Sequential)
+            else "pass arrays or a `tf.data.Dataset` to `fit`, or fit without the flag."
         )
-    shapes = [tuple(t.shape) for t in tree.flatten(batch)]
-    if len(shapes) == 1 and None in shapes[0]:
-        # What running it on such a batch builds, on every backend (PyTorch's
-        # symbolic run would put a placeholder size in place of None).
-        model.build(shapes[0])
-    else:
-        keras_compat.compute_output_spec(model, batch, training=False)
+    )

@@ -232,7 +232,7 @@ class _Builder:
 
         op = node.operation
         clash = id(op) in self.keep_whole
-        if isinstance(op, keras.Model) or not self.open_layers:
+        if (isinstance(op, keras.Model) and not opening.is_subclassed(op)) or not self.open_layers:
             inner, why = (None, _CLASH) if clash else flattenable(node, consumed, read)
             if why is not None:
                 self.whole[prefix + op.name] = why

@@ -376,17 +376,17 @@ def untracked_variables(model):
     return list(found.values())
 
 
+def seed_generators(layer):
+    """`SeedGenerator`s of `layer` and its sublayers (`_seed_generators`)."""
+    return [generator for sub in sublayers(layer) for generator in getattr(sub, "_seed_generators", ())]
+
+
 def draws_from_torch_global_generator(layer):
-    """Whether `layer`, or a layer inside it, owns a `SeedGenerator` made
-    without a seed (`Layer._seed_generators`, `SeedGenerator._initial_seed`):
-    on PyTorch, Keras's `dropout` with such a generator draws from torch's
+    """Whether `layer` or a sublayer owns a `SeedGenerator` made without a
+    seed (`SeedGenerator._initial_seed`): on PyTorch, Keras's `dropout` with such a generator draws from torch's
     global generator (keras/src/backend/torch/random.py), one state that
     every such call advances in turn. No public way."""
-    return any(
-        generator._initial_seed is None
-        for sub in sublayers(layer)
-        for generator in getattr(sub, "_seed_generators", ())
-    )
+    return any(generator._initial_seed is None for generator in seed_generators(layer))
 
 
 def has_sublayers(layer):

@@ -41,7 +41,7 @@ from keras import tree
 
 from graphckpt import keras_compat
 
-__all__ = ["open_call"]
+__all__ = ["open_call", "record", "own_state", "same_values", "small_batch", "is_subclassed"]
 
 _CACHE_ATTR = "_graphckpt_opened"  # on the layer: {signature: (Functional | None, reason)}
 _ARGS = ("training",)
@@ -87,7 +87,7 @@ def open_call(node, known_shapes=None):
     the planned shapes fix one, with it. Its graph then serves those
     shapes only."""
     layer = node.operation
-    if not isinstance(layer, keras.layers.Layer) or isinstance(layer, keras.Model):
+    if not isinstance(layer, keras.layers.Layer) or (isinstance(layer, keras.Model) and not is_subclassed(layer)):
         return None, None
     if not keras_compat.has_sublayers(layer):
         return None, None
@@ -116,7 +116,17 @@ def open_call(node, known_shapes=None):
     return fn, why
 
 
-def _own_state(layer):
+def is_subclassed(model):
+    """Whether `model` is a `keras.Model` whose graph lives in its `call`
+    (neither functional nor a `Sequential`): opened like a composite layer."""
+    return (
+        isinstance(model, keras.Model)
+        and not isinstance(model, keras.Sequential)
+        and not keras_compat.is_functional(model)
+    )
+
+
+def own_state(layer):
     """Variables and seed generators `layer` holds itself, not through a
     sublayer."""
     inner = {id(v) for sub in keras_compat.sublayers(layer, include_self=False) for v in sub.variables}
@@ -128,7 +138,7 @@ _UNTRACEABLE = "its `call` cannot be traced"
 
 
 def _open(layer, node, shapes):
-    if _own_state(layer):
+    if own_state(layer):
         return None, "it holds variables or seed generators of its own, which its `call` reads"
     if not all(isinstance(v, keras.KerasTensor) or _constant(v) for v in tree.flatten(_bind(node, node.input_tensors))):
         return None, "it is called with arguments besides tensors, constants and `training`"
@@ -160,7 +170,6 @@ def _trace(layer, node, shapes):
         keras.Input(batch_shape=shape, dtype=t.dtype, name=f"{layer.name}_input_{i}")
         for i, (shape, t) in enumerate(zip(shapes, node.input_tensors))
     ]
-    before = {id(n) for sub in keras_compat.sublayers(layer) for n in keras_compat.inbound_nodes(sub)}
     xs = [
         keras.ops.cast(x, layer.compute_dtype)
         if "float" in x.dtype and x.dtype != layer.compute_dtype and layer.autocast
@@ -168,6 +177,15 @@ def _trace(layer, node, shapes):
         for x in inputs
     ]
     args, kwargs = _bind(node, xs)
+    return record(layer, inputs, lambda: type(layer).call(layer, *args, **kwargs))
+
+
+def record(layer, inputs, call):
+    """Runs `call()` (which calls `layer`'s own `call` on `inputs`, symbolic
+    tensors) and returns what it recorded as a `Functional` named after
+    `layer`: its sublayer calls and ops, each recorded `training=None`
+    dropped, the ops named after `layer`."""
+    before = {id(n) for sub in keras_compat.sublayers(layer) for n in keras_compat.inbound_nodes(sub)}
     own_spec = keras.layers.Layer.compute_output_spec
     subs = [
         sub
@@ -177,7 +195,7 @@ def _trace(layer, node, shapes):
     for sub in subs:
         object.__setattr__(sub, "compute_output_spec", _spec_without_nones(sub))
     try:
-        outputs = type(layer).call(layer, *args, **kwargs)
+        outputs = call()
     finally:
         for sub in subs:
             object.__delattr__(sub, "compute_output_spec")
@@ -241,26 +259,48 @@ def _verify(layer, node, fn, shapes):
     where the batch dimension is free): the same outputs in training and in
     inference, and the same gradients of a loss on them with respect to
     every trainable variable, from the same seed state; else why not."""
+    xs = [small_batch(shape, t.dtype, seed=i) for i, (shape, t) in enumerate(zip(shapes, node.input_tensors))]
+    args, kwargs = _bind(node, xs)
+    for training in (True, False):
+        differs = same_values(
+            layer, lambda t=training: layer(*args, training=t, **kwargs), lambda t=training: fn(xs, training=t)
+        )
+        if differs:
+            return f"its opened graph computes other {differs} than its `call` (training={training})"
+    return None
+
+
+def small_batch(shape, dtype, seed=0):
+    """A tensor of `shape` (2 where a dimension is None) of random values:
+    normal for floats, 0 or 1 for the rest."""
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    xs = []
-    for shape, t in zip(shapes, node.input_tensors):
-        shape = tuple(2 if d is None else d for d in shape)
-        if "float" in t.dtype:
-            xs.append(keras.ops.convert_to_tensor(rng.normal(size=shape).astype(t.dtype)))
-        else:
-            xs.append(keras.ops.convert_to_tensor(rng.integers(0, 2, size=shape).astype(t.dtype)))
+    rng = np.random.default_rng(seed)
+    shape = tuple(2 if d is None else d for d in shape)
+    if "float" in str(dtype):
+        return keras.ops.convert_to_tensor(rng.normal(size=shape).astype(dtype))
+    return keras.ops.convert_to_tensor(rng.integers(0, 2, size=shape).astype(dtype))
+
+
+def same_values(layer, want, got):
+    """None if `want()` and `got()` give the same outputs (a structure of
+    tensors) and the same gradients of a loss on them with respect to each
+    trainable variable of `layer`, each run from the same seed state and
+    non-trainable variables (restored after); else what differs ("values",
+    or "gradients (of <variable path>)")."""
+    import numpy as np
+
     state = [v for v in layer.variables if not v.trainable]
     start = [keras.ops.convert_to_numpy(v.value) for v in state]
     trainable = list(layer.trainable_variables)
-    args, kwargs = _bind(node, xs)
-    for training in (True, False):
-        want = _run(lambda t=training: _with_grads(lambda: layer(*args, training=t, **kwargs), trainable), state, start)
-        got = _run(lambda t=training: _with_grads(lambda: fn(xs, training=t), trainable), state, start)
-        for a, b in zip(want, got):
-            if a.shape != b.shape or not np.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True):
-                return f"its opened graph computes other values or gradients than its `call` (training={training})"
+    a = _run(lambda: _with_grads(want, trainable), state, start)
+    b = _run(lambda: _with_grads(got, trainable), state, start)
+    if len(a) != len(b):
+        return "values"
+    n_outputs = len(a) - len(trainable)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.shape != y.shape or not np.allclose(x, y, rtol=1e-5, atol=1e-6, equal_nan=True):
+            return "values" if i < n_outputs else f"gradients (of {trainable[i - n_outputs].path})"
     return None
 
 
@@ -290,7 +330,7 @@ def _with_grads(call, variables):
         import jax
 
         def loss_fn(values):
-            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values)), collect_losses=True):
                 outputs = call()
             return loss_of(outputs), outputs
 

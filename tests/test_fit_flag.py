@@ -277,7 +277,7 @@ def test_bad_flag_values(installed, bad):
     assert _CACHE_ATTR not in model.__dict__
 
 
-def test_subclassed_model_gets_the_checkpoint_model_error(installed):
+def test_a_subclassed_model_of_one_layer_call_trains_plainly_with_a_warning(installed):
     class Sub(keras.Model):
         def __init__(self):
             super().__init__()
@@ -289,12 +289,10 @@ def test_subclassed_model_gets_the_checkpoint_model_error(installed):
     model = Sub()
     model.compile(optimizer="adam", loss="mse")
     model(X)
-    with pytest.raises(graphckpt.UnsupportedModelError) as ours:
+    with pytest.warns(graphckpt.GraphckptWarning, match="nothing to recompute"):
         model.fit(X, Y, epochs=1, verbose=0, gradient_checkpointing=True)
-    with pytest.raises(graphckpt.UnsupportedModelError) as theirs:
+    with pytest.raises(graphckpt.UnsupportedModelError, match="subclassed"):
         graphckpt.checkpoint_model(model)
-    assert str(ours.value) == str(theirs.value)
-    assert "subclassed" in str(ours.value)
     assert "call" not in model.__dict__
 
 

@@ -1,0 +1,100 @@
+"""Subclassed models through the fit flag: peak training-step memory and
+step time of a GPT-style `keras.Model` subclass (tests/subclassed_models.py:
+8 blocks written as `keras.layers.Layer` subclasses, `call` a Python loop
+over them) at sequence 512, trained plainly and with its `call` traced and
+routed through the checkpointed graph, as `fit(gradient_checkpointing=True)`
+routes it. Fresh process per run, methods alternated, medians.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/subclassed.py [--rounds 3] [--seq-len 512]
+
+`flagged` installs what a flagged `fit` installs for its duration (the
+trace, the plan for the data's shapes, the instance `call` that routes
+training through the twin) and leaves it on, so that the measuring child's
+`train_on_batch` steps run the flag's code path.
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+
+from graphckpt.measure import measure
+
+HERE = pathlib.Path(__file__)
+MODELS = str(HERE.parent.parent / "tests" / "subclassed_models.py")
+METHODS = {
+    "baseline": dict(method="baseline"),
+    "fit flag (traced)": dict(method=f"{HERE}:flagged"),
+    "fit flag open_layers": dict(method=f"{HERE}:flagged", method_kwargs={"open_layers": True}),
+}
+
+
+def flagged(build, batch_size=8, seq_len=512, open_layers=False):
+    """The model `build()` returns, its training calls routed through the
+    checkpointed graph of its traced `call`, as the fit flag routes them."""
+    import keras
+
+    from graphckpt import tracing
+    from graphckpt.fit import _training_call, _twin_for
+
+    model = build()
+    traced = tracing.trace_model(model, keras.KerasTensor((batch_size, seq_len), dtype="int32"))
+    planner = {"input_shape": (batch_size, seq_len), "open_layers": open_layers or tracing.nested_models}
+    twin = _twin_for(model, planner, traced=traced)
+    print(f"plan: {twin.plan}", flush=True)
+    object.__setattr__(model, "call", _training_call(model, twin, traced))
+    return model
+
+
+def data(model, batch_size):
+    """Token ids and next-token targets (as one-hot-sized float targets for
+    `mse`: the loss's own memory is the same for both runs)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    seq_len = model.positions.embedding.input_dim
+    vocab = model.head.units
+    x = rng.integers(0, vocab, size=(batch_size, seq_len)).astype("int32")
+    return x, rng.standard_normal(size=(batch_size, seq_len, vocab)).astype("float32")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names of METHODS")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    methods = {name: METHODS[name] for name in args.methods.split(",")}
+    runs = {name: [] for name in methods}
+    for _ in range(args.rounds):
+        for name, method in methods.items():
+            method = dict(method)
+            if method["method"] != "baseline":
+                method["method_kwargs"] = dict(method.get("method_kwargs", {}), batch_size=args.batch_size,
+                                               seq_len=args.seq_len)
+            m = measure(f"{MODELS}:gpt", batch_size=args.batch_size, builder_kwargs={"seq_len": args.seq_len},
+                        data=f"{HERE}:data", label=name, **method)
+            if not m.ok:
+                print(f"{name}: FAILED {m.error[:300]}", flush=True)
+                continue
+            print(f"  {name:24s} peak {m.peak_bytes / 2**20:8.1f} MiB  step {m.step_time_s:.2f} s  "
+                  f"cpu {m.step_cpu_s:.2f} s", flush=True)
+            runs[name].append((m.peak_bytes, m.step_time_s, m.step_cpu_s))
+    base_peak, base_time, base_cpu = (statistics.median(r[i] for r in runs["baseline"]) for i in range(3))
+    rows = []
+    for name, values in runs.items():
+        if not values:
+            continue
+        peak, time, cpu = (statistics.median(r[i] for r in values) for i in range(3))
+        rows.append({"method": name, "peak_MiB": peak / 2**20, "peak_x": peak / base_peak, "time_x": time / base_time,
+                     "cpu_x": cpu / base_cpu, "rounds": len(values)})
+        print(f"{name:24s} peak {peak / 2**20:8.1f} MiB  x{peak / base_peak:.3f}   step time x{time / base_time:.2f}"
+              f"   CPU x{cpu / base_cpu:.2f}")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
