@@ -394,7 +394,7 @@ def forward_temporaries(layer, outs):
     kernel layer (Dense, EinsumDense, convolutions) adds its bias and
     applies its activation as ops of their own, so one more output-sized
     tensor lives beside the one being made. Measured on PyTorch
-    (32 x Dense(1024), batch 256; benchmarks/torch_forward_step.py): 33.0
+    (32 x Dense(1024), batch 256; benchmarks/archive/torch_forward_step.py): 33.0
     MiB with a bias or an activation, 31.9 MiB with neither."""
     if getattr(layer, "kernel", None) is None:
         return 0.0

@@ -53,13 +53,14 @@ def tf_remat(f, n_inputs):
     load, TensorFlow's executor sometimes ran an update first, and the
     recompute then differed from the forward pass (a wrong gradient in
     1 run in 20 to 50 of `tests/test_exact_fit.py` on a loaded 2-core
-    machine; `benchmarks/tf_nondeterminism.py`).
+    machine; `benchmarks/archive/tf_nondeterminism.py`).
 
     `tf.recompute_grad` also orders a segment's recompute after the gradient
     of its output only. Nothing waits for the segment's weight gradients, so
     the executor may run the input-gradient chain ahead and start earlier
     segments' recomputes while later interiors are still alive: the measured
-    peak then depends on scheduling (see benchmarks/diagnose_order.py). A
+    peak then depends on scheduling (docs/benchmarks.md, "Recompute
+    order"). A
     control dependency on the weight gradients keeps one recomputed interior
     alive at a time. Gradients are unchanged.
 
