@@ -104,7 +104,7 @@ def nested_resnet50v2(size=128, classes=10, frozen_weights=False):
     (`include_top=False`, `weights=None`) called as one layer, then global
     average pooling and a Dense head. `frozen_weights`: the backbone's
     layers other than BatchNormalization are frozen (the same activations,
-    almost no weight gradients; benchmarks/nested_grads.py)."""
+    almost no weight gradients; benchmarks/archive/nested_grads.py)."""
     base = keras.applications.ResNet50V2(include_top=False, weights=None, input_shape=(size, size, 3))
     if frozen_weights:
         for layer in base.layers:

@@ -10,7 +10,7 @@ and returns the model to train. `build()` builds the original model.
 - `whole_remat`: the whole model called through one `keras.remat`, the
   naive way (`training` bound in a closure, keras-team/keras#21207). It keeps
   no state snapshot, so with Dropout or BatchNormalization its gradients and
-  statistics are not those of the original model (shared/FINDINGS.md); only
+  statistics are not those of the original model (docs/how-it-works.md); only
   its memory and time are of interest here.
 - `equal_segments`: the analogue of PyTorch's `checkpoint_sequential`: cut
   Keras's own execution order of the layer calls into `segments` runs of

@@ -11,6 +11,7 @@ import glob
 import json
 import math
 import os
+import re
 import statistics
 
 FAMILY_ORDER = ["dense", "resnet_cnn", "transformer", "unet", "resnet50v2", "densenet121"]
@@ -175,6 +176,11 @@ def source_note(payload):
     return note
 
 
+def _title(payload):
+    """The run's title, without the issue number older runs recorded in it."""
+    return re.sub(r" \(issue \d+\)", "", payload["title"])
+
+
 def _short(error, n=160):
     error = (error or "").replace("|", "/").replace("`", "'")
     return error if len(error) <= n else error[: n - 3] + "..."
@@ -249,7 +255,7 @@ def scaling_table(payload):
 def text_tables(results):
     parts = []
     for name, p in _families(results) + ([("acceptance", results["acceptance"])] if "acceptance" in results else []):
-        parts.append(f"\n## {name}: {p['title']} (batch {p['batch_size']})\n\n{family_table(p)}")
+        parts.append(f"\n## {name}: {_title(p)} (batch {p['batch_size']})\n\n{family_table(p)}")
     if "scaling" in results:
         parts.append(f"\n## scaling (batch {results['scaling']['batch_size']})\n\n{scaling_table(results['scaling'])}")
     if any(p.get("target") for _, p in _families(results)) or "acceptance" in results:
@@ -466,7 +472,7 @@ def write_docs(results, root):
         _meta(results),
     ]
     if os.path.exists(os.path.join(root, "docs", "estimator.md")):
-        parts.append("Estimated against measured peaks, and the budget-plan runs of issue 4: "
+        parts.append("Estimated against measured peaks, and the budget-plan runs: "
                      "[estimator.md](estimator.md).\n")
     parts += ["## Targets (graphckpt default plan vs baseline, same run)\n", targets_table(results) + "\n"]
     if os.path.exists(NOTES):
@@ -477,14 +483,14 @@ def write_docs(results, root):
         "![peak memory ratio against step-time ratio per method](img/bench_tradeoff.png)\n",
     ]
     for name, p in _families(results):
-        parts.append(f"### {name}: {p['title']}\n\nBatch {p['batch_size']}, {p['settings']['repeats']} rounds. "
+        parts.append(f"### {name}: {_title(p)}\n\nBatch {p['batch_size']}, {p['settings']['repeats']} rounds. "
                      f"Baseline peak {_mib(p['summary']['baseline']['peak_bytes'])} MiB, step "
                      f"{p['summary']['baseline']['step_time_s'] or 0:.3f} s; {source_note(p)}.\n\n"
                      f"{family_table(p)}\n")
     if "acceptance" in results:
         p = results["acceptance"]
-        parts.append(f"### acceptance: {p['title']}\n\nBatch {p['batch_size']}, {p['settings']['repeats']} "
-                     f"rounds (issue 2's acceptance run); {source_note(p)}.\n\n{family_table(p)}\n")
+        parts.append(f"### acceptance: {_title(p)}\n\nBatch {p['batch_size']}, {p['settings']['repeats']} "
+                     f"rounds (the acceptance run); {source_note(p)}.\n\n{family_table(p)}\n")
     if "scaling" in results:
         s = results["scaling"]
         parts += [

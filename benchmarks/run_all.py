@@ -47,7 +47,7 @@ FAMILIES_PY = os.path.join(HERE, "families.py")
 METHODS_PY = os.path.join(HERE, "methods.py")
 RESULTS = os.path.join(HERE, "results")
 
-# name -> builder, full and quick sizes, batch sizes, and issue 3's targets
+# name -> builder, full and quick sizes, batch sizes, and the targets
 # (graphckpt default plan vs baseline: peak ratio, time ratio, strict "<").
 FAMILIES = {
     "dense": dict(
@@ -108,9 +108,9 @@ FAMILIES = {
     ),
 }
 
-# Issue 2's acceptance run: baseline vs default plan only, more rounds.
+# The acceptance run: baseline vs default plan only, more rounds.
 ACCEPTANCE = dict(
-    title="Acceptance (issue 2): 64 x Dense(1024, tanh), no Dropout",
+    title="Acceptance: 64 x Dense(1024, tanh), no Dropout",
     builder="dense_chain",
     kwargs=dict(depth=64, width=1024),
     batch=512,

@@ -210,8 +210,8 @@ _WORKSPACE_PARAMS_FREED = 1.0
 # prediction, or its gradient); the loss's other temporaries are gone before
 # the first segment's backward runs, and the gradient of the outputs is in
 # that segment's own peak (`out`). Measured with outputs larger than
-# everything else: benchmarks/fixed_outputs.py (3x the outputs, the earlier
-# figure, over-estimated by about 2x the outputs).
+# everything else (docs/estimator.md, "The memory model"): 3x the outputs
+# over-estimates by about 2x the outputs.
 _FIXED_OUTPUTS = 1.0
 
 

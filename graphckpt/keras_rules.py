@@ -393,9 +393,8 @@ def forward_temporaries(layer, outs):
     kept buffers, on a backend that runs each op eagerly (PyTorch): a
     kernel layer (Dense, EinsumDense, convolutions) adds its bias and
     applies its activation as ops of their own, so one more output-sized
-    tensor lives beside the one being made. Measured on PyTorch
-    (32 x Dense(1024), batch 256; benchmarks/torch_forward_step.py): 33.0
-    MiB with a bias or an activation, 31.9 MiB with neither."""
+    tensor lives beside the one being made (measured: docs/estimator.md,
+    "The memory model")."""
     if getattr(layer, "kernel", None) is None:
         return 0.0
     separate = getattr(layer, "bias", None) is not None or activation_name(layer) not in (None, "linear")

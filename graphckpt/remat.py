@@ -48,28 +48,22 @@ def tf_remat(f, n_inputs):
 
     The variables are read once, in the forward pass, and the recompute
     uses those reads, as a plain graph's backward pass uses its forward
-    reads. Were the recompute to read the variables again, nothing would
-    order those reads before the optimizer's updates of the same step: under
-    load, TensorFlow's executor sometimes ran an update first, and the
-    recompute then differed from the forward pass (a wrong gradient in
-    1 run in 20 to 50 of `tests/test_exact_fit.py` on a loaded 2-core
-    machine; `benchmarks/tf_nondeterminism.py`).
+    reads: nothing could order a second read before the optimizer's updates
+    of the same step, and under load TensorFlow's executor would sometimes
+    run an update first (docs/limitations.md).
 
-    `tf.recompute_grad` also orders a segment's recompute after the gradient
-    of its output only. Nothing waits for the segment's weight gradients, so
-    the executor may run the input-gradient chain ahead and start earlier
-    segments' recomputes while later interiors are still alive: the measured
-    peak then depends on scheduling (see benchmarks/diagnose_order.py). A
-    control dependency on the weight gradients keeps one recomputed interior
-    alive at a time. Gradients are unchanged.
+    The segment's input gradients are returned only after its weight
+    gradients exist (a control dependency), so at most one recomputed
+    interior is alive at a time; `tf.recompute_grad` orders a recompute
+    after the gradient of its output only, and the peak then depends on
+    the executor's schedule (docs/benchmarks.md, "Recompute order").
+    Gradients are unchanged.
 
     What `f` closes over is tied as well, through its `tie` keyword
     (`_tie_closed`): a recompute's random masks come from a closed-over seed
-    snapshot and a causal mask from a closed-over integer input, so without
-    the tie the executor computed every segment's masks as soon as the
-    backward pass began and held them until their segment's turn (GPT-2 at
-    sequence 512 with dropout: about 17 MiB more per segment, none without
-    dropout).
+    snapshot and a causal mask from a closed-over integer input, and no op
+    of the recompute, these included, runs before the incoming gradient
+    exists (docs/benchmarks.md, "Nested models and keras_hub").
 
     Args:
         f: a function of tensors returning a tuple of tensors.
@@ -203,9 +197,9 @@ def torch_remat(f):
     saved-tensor hook deep inside the recompute. Keras's traceback filtering
     (its layers' `__call__` wrappers) keeps that exception's frames in a
     reference cycle, and the frames hold the recomputed activations: they
-    stay alive after the step until Python's cyclic garbage collector runs
-    (10-35 MiB per step on a 32 x Dense(1024) chain at batch 256, more than
-    the segments save). Without early stop the recompute returns normally
+    stay alive after the step until Python's cyclic garbage collector runs,
+    often more than the segments save (docs/how-it-works.md, "PyTorch's
+    early stop"). Without early stop the recompute returns normally
     and its frames are freed by reference counting. It then also runs the
     segment's tail after the last saved tensor, which is short: a segment
     ends where it is cut, and its last layers' saved tensors come last.
@@ -235,7 +229,7 @@ def jax_remat(f, n_tied):
     there (its operands exist only once the gradient does). `jax.checkpoint`
     has no such dependency: XLA's CPU pipeline drops its optimization
     barriers (`cse_barrier_expander`) and merges the recompute back into
-    the forward pass, keeping every activation alive (issue 14). The
+    the forward pass, keeping every activation alive. The
     incoming cotangents are first computed into buffers of their own
     (`jax_materialize`), and in the forward pass the seed states are tied
     to the segment's inputs, so that XLA neither recomputes a cotangent in
@@ -267,16 +261,16 @@ def jax_remat(f, n_tied):
     def bwd(args, cotangents):
         cotangents = jax_materialize(cotangents)
         # The inputs, and every non-float argument (seed states: a random
-        # draw computed from them alone was merged with the forward pass's
-        # and its mask kept until the backward pass, about 20 MiB a GPT-2
-        # block at sequence 256 with dropout; integer state). Not the
-        # float ones (weights, moving statistics), which a tie would copy.
+        # draw computed from them alone would be merged with the forward
+        # pass's and its mask kept until the backward pass; integer state).
+        # Not the float ones (weights, moving statistics), which a tie
+        # would copy.
         index = [i for i, x in enumerate(args) if i < n_tied or not _jax_floating(x)]
         recomputed, vjp = jax.vjp(f, *_tied(args, index, cotangents))
         # The gradients are tied to the recomputed outputs, so that these
-        # stay live as in the forward pass: with them dead, XLA fused the
-        # recompute differently from the forward pass, and gradients came
-        # out 1 ulp off (the issue-13 chain, tests/test_exact_fit.py).
+        # stay live as in the forward pass: with them dead, XLA fuses the
+        # recompute differently from the forward pass, and gradients come
+        # out 1 ulp off (tests/test_exact_fit.py's chaotic chain).
         return tuple(jax_tie(vjp(cotangents), recomputed))
 
     remat.defvjp(fwd, bwd)
@@ -291,8 +285,8 @@ def jax_materialize(arrays):
     and residual adds of the segments after it) was recomputed inside the
     fusions that read it, so the buffers it is made of (their convolution
     gradients, masks) stayed alive across the backward passes of the
-    segments before, until the last such fusion ran (a residual CNN's
-    first stage: 168 MiB in XLA's buffer assignment, 112 MiB with this).
+    segments before, until the last such fusion ran (docs/benchmarks.md,
+    "The estimator against JAX").
     Operands of a `lax.cond` cannot be fused into anything inside it, so
     the arrays go through one whose predicate is true whatever they hold
     (`_true_of` the first, as for `jax_tie`'s select) and whose taken
@@ -326,10 +320,10 @@ def _states_after_inputs(args, n_inputs):
     """`args`, with the seed states (the arguments after the inputs that
     are not floats) tied to the inputs (the first `n_inputs`).
 
-    Untied, a random draw depends on its seed alone, and XLA computed the
+    Untied, a random draw depends on its seed alone, and XLA computes the
     threefry counters of every dropout of every segment at the start of
-    the step and held them until their segment ran (a Transformer: 145 ->
-    107 MiB in XLA's buffer assignment, benchmarks/jax_estimate.py)."""
+    the step and holds them until their segment runs (docs/benchmarks.md,
+    "The estimator against JAX")."""
     states = [i for i, x in enumerate(args) if i >= n_inputs and not _jax_floating(x)]
     return _tied(args, states, args[:n_inputs])
 

@@ -1,7 +1,10 @@
 """The segment layer: one sub-model, run under exact rematerialization.
 
-In training, a `Segment` runs its sub-model through `keras.remat`, so the
-backward pass keeps only the segment's inputs and recomputes its interior.
+In training, a `Segment` runs its sub-model through
+`graphckpt.remat.segment_remat` (a custom gradient on TensorFlow, a
+`custom_vjp` on JAX, a non-reentrant `torch.utils.checkpoint` on PyTorch;
+`keras.remat` on any other backend), so the backward pass keeps only the
+segment's inputs and recomputes its interior.
 Recompute that differs from the forward pass gives wrong gradients, so:
 
 - **Random layers and BatchNormalization.** Every non-trainable variable of

@@ -174,7 +174,7 @@ def test_makefile_targets_named_in_readme_exist():
 SOURCE_PATH = re.compile(r"\b((?:graphckpt|tests|benchmarks)/[\w/]+\.py)\b")
 
 
-@pytest.mark.parametrize("path", DOCS + sorted((ROOT / "benchmarks").glob("*.md")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", DOCS + sorted((ROOT / "benchmarks").rglob("*.md")), ids=lambda p: p.name)
 def test_source_files_named_in_the_docs_exist(path):
     """A doc that names `graphckpt/x.py` (or a test, a benchmark) names a
     file that is there: modules move in refactors, the docs must follow."""

@@ -55,7 +55,7 @@ def test_per_example_costs_free_nothing():
 def test_a_kernel_layers_bias_or_activation_is_a_forward_temporary_on_torch():
     """On PyTorch a Dense adds its bias and applies its activation as ops of
     their own: one more output-sized tensor in its forward step (measured:
-    benchmarks/torch_forward_step.py). Read only where gradients are freed,
+    benchmarks/archive/torch_forward_step.py). Read only where gradients are freed,
     so made only there."""
     inp = keras.Input((8,))
     x = layers.Dense(6, activation="tanh", name="both")(inp)

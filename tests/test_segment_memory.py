@@ -6,7 +6,7 @@ layer reading it has run (graphckpt/keras_compat.py
 Keras's own functional walk keeps every intermediate until the call returns.
 On an eager backend that held a whole segment at once in its forward pass:
 on PyTorch one segment over a 32 x Dense(1024) chain peaked at +33 MiB, its
-whole interior, where it now peaks at +3.9 MiB (benchmarks/forward_walk.py).
+whole interior, where it now peaks at +3.9 MiB (benchmarks/archive/forward_walk.py).
 """
 
 import weakref

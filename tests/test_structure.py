@@ -210,7 +210,7 @@ def test_benchmarks_and_tests_import_what_the_package_has():
 
     root = PACKAGE.parent
     missing = []
-    for path in sorted((root / "benchmarks").glob("*.py")) + sorted((root / "tests").rglob("*.py")):
+    for path in sorted((root / "benchmarks").rglob("*.py")) + sorted((root / "tests").rglob("*.py")):
         for module, name in _graphckpt_imports(path):
             try:
                 found = importlib.import_module(module)

@@ -90,10 +90,9 @@ def _settle_rss(quiet_s=0.05, timeout_s=2.0, poll_s=0.002):
 
     JAX's CPU runtime frees an execution's temporary buffers on another
     thread, just *after* the outputs are ready: `block_until_ready` returns
-    while the step's activations are still mapped (measured: 38 of 40 MiB on
-    a 32 x Dense(1024) chain at batch 256). A step whose start read them
-    then reported only the few MiB above them (2.2 MiB for 40), in about
-    half the steps, and in some runs in every step."""
+    while the step's activations are still mapped. A step whose start read
+    them would report only the few MiB above them (docs/benchmarks.md, "JAX
+    and PyTorch, side by side with their native peers")."""
     import time
 
     last, since = _status_kib("VmRSS"), time.monotonic()

@@ -43,8 +43,9 @@ class MemoryModel:
     `out(a, b)`: tensors made in [a, b) and used at b or later (as values
     for later consumers, or as gradients coming back from them);
     `in(a, b)`: tensors made before a and used in [a, b), which the
-    recompute copies (TensorFlow's `recompute_grad` orders it after the
-    incoming gradient through a data dependency on every argument);
+    recompute copies (graphckpt's TensorFlow and JAX remats order it after
+    the incoming gradient through a data dependency on every input,
+    `graphckpt.remat.tf_tie` and `jax_tie`);
     `freed(0, v+1)`: of the bytes freed after the forward pass
     (`NodeCosts.freed`; none but on PyTorch), those of calls `0 .. v`, not
     allocated again when `v`'s backward runs (their backward comes later,

@@ -120,8 +120,8 @@ def _least_peak_boundaries(spans, k, last_kept):
 
 
 # How far above the least estimated peak the default plan may go to
-# recompute less: plans within 1% of it count as equally small (issue 40's
-# decision), and the one among them that recomputes least is chosen.
+# recompute less: plans within 1% of it count as equally small, and the
+# one among them that recomputes least is chosen.
 AUTO_TOLERANCE = 0.01
 
 

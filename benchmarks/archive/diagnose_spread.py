@@ -11,7 +11,7 @@ default plan), batch 256, three ways of consuming the gradients:
 Each way runs in `--runs` fresh processes (TF_CPU_ALLOCATOR_USE_BFC=true,
 the BFC peak of each of 4 steps above the memory in use before it).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/diagnose_spread.py [--runs 3]
+    PYTHONPATH=. .venv/bin/python benchmarks/archive/diagnose_spread.py [--runs 3]
 """
 
 import argparse

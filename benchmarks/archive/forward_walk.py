@@ -15,7 +15,7 @@ medians of per-round ratios to the Keras baseline:
     1 segment    graphckpt.checkpoint_model(model, segments=1)
     sqrt         graphckpt.checkpoint_model(model, segments="sqrt")
 
-    PYTHONPATH=. .venv/bin/python benchmarks/forward_walk.py [--depth 32] [--repeats 3] [--out FILE]
+    PYTHONPATH=. .venv/bin/python benchmarks/archive/forward_walk.py [--depth 32] [--repeats 3] [--out FILE]
 
 To measure the code before the change, run the same command from a checkout
 of the commit before it (the measuring children import the graphckpt of the
@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, above archive/
 sys.path.insert(0, os.getcwd())
 
 from graphckpt.measure import measure  # noqa: E402

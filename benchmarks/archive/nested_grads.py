@@ -4,8 +4,8 @@ the same model with the backbone's weights trainable and frozen
 baseline and the default plan, measured (fresh process per run, TensorFlow
 allocator statistics) beside graphckpt's estimate.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/nested_grads.py [--repeats 2]
-    PYTHONPATH=. .venv/bin/python benchmarks/nested_grads.py --wait   # in this process
+    PYTHONPATH=. .venv/bin/python benchmarks/archive/nested_grads.py [--repeats 2]
+    PYTHONPATH=. .venv/bin/python benchmarks/archive/nested_grads.py --wait   # in this process
 
 `--wait` separates the two things trainable weights bring: the same
 trainable model, stepped in this process (TensorFlow allocator
@@ -22,8 +22,9 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, above archive/
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from graphckpt.measure import measure  # noqa: E402

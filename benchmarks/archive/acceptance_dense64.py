@@ -3,7 +3,7 @@ at batch 256 to 512; graphckpt's default plan must reach a peak
 training-step memory at or below x0.35 of the baseline's, at a step time at
 or below x1.40.
 
-    .venv/bin/python benchmarks/acceptance_dense64.py [--batch 512] [--repeats 5] [--jit] [--counter rss]
+    .venv/bin/python benchmarks/archive/acceptance_dense64.py [--batch 512] [--repeats 5] [--jit] [--counter rss]
 
 `--jit` compiles the train step with XLA (`jit_compile=True`; issue 14's
 target there is x0.30); `--counter` picks the memory counter (`graphckpt.measure`).
@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, above archive/
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

@@ -2,7 +2,7 @@
 plan, for the benchmark families at their benchmark sizes and a GPT-2-like
 stack at real shapes. Plans only: nothing is trained or measured.
 
-    python benchmarks/plan_counts.py [--json PATH]
+    python benchmarks/archive/plan_counts.py [--json PATH]
 """
 
 import argparse
@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, above archive/
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.setrecursionlimit(10000)

@@ -10,7 +10,7 @@ checkpointed model gave a second one in about 5% of runs on a loaded 2-core
 machine: the executor now and then ran a weight update before a recompute
 read the weights. Each mode should now give one trajectory, the same.
 
-    PYTHONPATH=. python benchmarks/tf_nondeterminism.py --runs 30 --load
+    PYTHONPATH=. python benchmarks/archive/tf_nondeterminism.py --runs 30 --load
 """
 
 import argparse

@@ -15,7 +15,7 @@ Steps of the baseline and both plans alternate in one process (5 steps per
 timing, `--rounds` rounds); the script prints median step times as ratios
 of the baseline's.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/pruned_tail.py [--rounds 7] [--jit]
+    PYTHONPATH=. .venv/bin/python benchmarks/archive/pruned_tail.py [--rounds 7] [--jit]
 """
 
 import argparse

@@ -8,7 +8,7 @@ outputs of 8 MiB at batch 256), measured (fresh process per run, baseline
 and the default plan alternating, TensorFlow allocator statistics) beside
 the estimate with `fixed` at 0, 1 and 3 times the outputs.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/fixed_outputs.py [--repeats 2]
+    PYTHONPATH=. .venv/bin/python benchmarks/archive/fixed_outputs.py [--repeats 2]
 
 Writes benchmarks/results/fixed_outputs.json.
 """
@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, above archive/
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

@@ -2,7 +2,7 @@
 the batch (weight gradients, optimizer update temporaries), and so bounds the
 ratio graphckpt can reach at a small batch.
 
-    .venv/bin/python benchmarks/diagnose_batch.py [--batches 64,128,256,512] [--dropout-every 8]
+    .venv/bin/python benchmarks/archive/diagnose_batch.py [--batches 64,128,256,512] [--dropout-every 8]
 
 For each batch size, baseline and graphckpt default plan run alternately in
 fresh processes (`graphckpt.measure`). A least-squares line through peak vs
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, above archive/
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

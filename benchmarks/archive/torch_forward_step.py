@@ -9,7 +9,7 @@ MSE; with and without the layers' bias and tanh. Each run in a fresh
 process (`graphckpt.measure`, process RSS), beside the estimate of the
 same model, which this process makes with PyTorch's memory model:
 
-    KERAS_BACKEND=torch PYTHONPATH=. .venv/bin/python benchmarks/torch_forward_step.py [--repeats 2]
+    KERAS_BACKEND=torch PYTHONPATH=. .venv/bin/python benchmarks/archive/torch_forward_step.py [--repeats 2]
 """
 
 import argparse
@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, above archive/
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.getcwd())
 

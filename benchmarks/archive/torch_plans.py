@@ -22,7 +22,7 @@ medians of per-round ratios to the Keras baseline:
                     the least recompute whose estimated peak fits B of the
                     estimated baseline; B = issue 14's peak line at this depth
 
-    PYTHONPATH=. .venv/bin/python benchmarks/torch_plans.py [--depth 32] [--repeats 3] [--out FILE]
+    PYTHONPATH=. .venv/bin/python benchmarks/archive/torch_plans.py [--depth 32] [--repeats 3] [--out FILE]
 """
 
 import os
