@@ -28,7 +28,7 @@ from keras import tree
 
 from graphckpt import errors, keras_compat, weights
 from graphckpt.graph import build_graph, functional_of, saved_ordinals, tensor_key
-from graphckpt.plan import plan_from_boundaries
+from graphckpt.planner import plan_from_boundaries
 from graphckpt.rewrite import rewrite
 from graphckpt.shapes import plan_graph
 

@@ -19,7 +19,7 @@ from graphckpt import cli
 from graphckpt.checkpointed import plan_to_config
 from graphckpt.cli.loading import gist
 from graphckpt.cli.startup import native_log_filter
-from graphckpt.estimate import estimate
+from graphckpt.estimator import estimate
 from graphckpt.graph import build_graph
 from graphckpt.measure import Comparison, Measurement
 from tests import models
@@ -520,7 +520,7 @@ def test_inspect_shows_segments_cut_again(capsys, tmp_path):
     """A budget below what plans of one level reach: the JSON lists each
     segment's inner segments (covering its calls), the table writes them
     as `calls = a+b*`."""
-    from graphckpt.estimate import node_costs
+    from graphckpt.estimator import node_costs
     from graphckpt.plan import smallest_peak
 
     model = models.chain(depth=24, bn=True)

@@ -56,8 +56,8 @@ def test_public_api_type_hints_resolve():
 @pytest.mark.parametrize(
     "first",
     [
-        "from graphckpt.estimate import node_costs",
-        "import graphckpt.plan",
+        "from graphckpt.estimator import node_costs",
+        "import graphckpt.planner",
     ],
 )
 def test_public_functions_outlive_submodule_imports(first):
@@ -72,7 +72,7 @@ def test_public_functions_outlive_submodule_imports(first):
         "import graphckpt\n"
         "assert callable(graphckpt.plan), graphckpt.plan\n"
         "assert callable(graphckpt.estimate), graphckpt.estimate\n"
-        "from graphckpt.plan import Plan\n"
+        "from graphckpt.planner import Plan\n"
         "assert graphckpt.Plan is Plan\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -40,7 +40,7 @@ def test_the_import_graph_is_found():
     graph = _import_graph()
     # The checks below are only as good as the graph: it must see known edges.
     assert graph.has_edge("graphckpt.checkpointed", "graphckpt.rewrite")
-    assert graph.has_edge("graphckpt.estimate", "graphckpt.keras_rules")
+    assert graph.has_edge("graphckpt.estimator", "graphckpt.keras_rules")
     assert graph.has_edge("graphckpt.keras_rules", "graphckpt.hub_rules")  # a function-level import
 
 
