@@ -13,8 +13,10 @@ layers out of it: the weight sharing would be lost. So a
 
 `from_config` rebuilds the source, then rewrites it with the same plan, so
 the loaded model has the same segments, one object per layer, and trains
-with checkpointing. Loading needs only `import graphckpt` first (the class is
-registered as `graphckpt>CheckpointedModel`); no `custom_objects`.
+with checkpointing. The class is registered as `graphckpt>CheckpointedModel`
+when this module is imported: `keras.saving.load_model` needs no
+`custom_objects` once graphckpt's Keras side has loaded (the package
+docstring says when).
 
 Weights files (`save_weights`, `load_weights`) are the source model's own:
 see `graphckpt/weights.py`. `keras.models.clone_model` clones the source

@@ -3,6 +3,7 @@
 import ast
 import os
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -61,9 +62,10 @@ def test_public_api_type_hints_resolve():
     ],
 )
 def test_public_functions_outlive_submodule_imports(first):
-    """`graphckpt.plan` and `graphckpt.estimate` name both a submodule and
-    a public function: importing the submodule first (before anything loads
-    the API) must leave the functions callable."""
+    """`graphckpt.plan` and `graphckpt.estimate` are functions, and no
+    submodule has their names (the planner is `graphckpt.planner`, the
+    estimator `graphckpt.estimator`): importing those first (before
+    anything loads the API) leaves the functions callable."""
     import subprocess
     import sys
 
@@ -74,6 +76,31 @@ def test_public_functions_outlive_submodule_imports(first):
         "assert callable(graphckpt.estimate), graphckpt.estimate\n"
         "from graphckpt.planner import Plan\n"
         "assert graphckpt.Plan is Plan\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_no_public_name_is_a_submodule():
+    names = {p.stem for p in (Path(ROOT) / "graphckpt").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert names & set(graphckpt.__all__) == {"policies"}  # documented as a module
+
+
+def test_import_graphckpt_plays_no_import_tricks():
+    """A plain package: a plain module object, and no import hook left on
+    `sys.meta_path` (the lazy names are a module `__getattr__`, PEP 562)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, types\n"
+        "def hooks():\n"
+        "    return [f for f in sys.meta_path if type(f).__module__.startswith('graphckpt')]\n"
+        "import graphckpt\n"
+        "assert type(graphckpt) is types.ModuleType, type(graphckpt)\n"
+        "assert not hooks(), hooks()\n"
+        "graphckpt.plan\n"
+        "assert not hooks() and type(graphckpt) is types.ModuleType\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
