@@ -231,8 +231,8 @@ class CheckpointedModel(keras.Model):
     """A functional model made of `Segment` layers, by `checkpoint_model`.
 
     Use it like any functional model. It saves and loads with
-    `model.save(...)` / `keras.saving.load_model(...)` (after
-    `import graphckpt`), and `graphckpt.uncheckpoint(model)` returns the
+    `model.save(...)` / `keras.saving.load_model(...)` (once this module
+    is imported: see the package docstring), and `graphckpt.uncheckpoint(model)` returns the
     plain model it was made from. Its weights files are its source model's:
     `save_weights` writes what the source model would write, and
     `load_weights` reads the source model's files. It lists its variables
