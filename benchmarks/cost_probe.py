@@ -104,7 +104,7 @@ def probe(families, repeats):
     distinct call (same class, rule and shapes)."""
     import families as builders
     from graphckpt import cost_model
-    from graphckpt.estimate import call_estimates
+    from graphckpt.estimator import call_estimates
     from graphckpt.graph import build_graph
     from graphckpt.planner.data import layer_nodes
 

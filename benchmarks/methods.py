@@ -78,7 +78,7 @@ def whole_remat(build):
 def equal_segments(build, segments="sqrt"):
     from graphckpt.checkpointed import checkpointed_model
     from graphckpt.graph import build_graph
-    from graphckpt.plan import plan_from_boundaries
+    from graphckpt.planner import plan_from_boundaries
 
     model = build()
     graph = build_graph(model)
@@ -107,9 +107,9 @@ def graphckpt_budget(build, budget, batch_size):
     if budget in ("sqrt", "auto"):
         budget = graphckpt.plan(model, batch_size=batch_size, segments=budget).estimated_peak_bytes
     elif budget == "min":
-        from graphckpt.estimate import node_costs
+        from graphckpt.estimator import node_costs
         from graphckpt.graph import build_graph
-        from graphckpt.plan import smallest_peak
+        from graphckpt.planner import smallest_peak
 
         graph = build_graph(model)
         budget = smallest_peak(graph, node_costs(graph, batch_size))

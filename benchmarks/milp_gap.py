@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from graphckpt.plan import baseline_peak, plan_for_budget, smallest_peak  # noqa: E402
+from graphckpt.planner import baseline_peak, plan_for_budget, smallest_peak  # noqa: E402
 from tests.planner import casefile  # noqa: E402
 from tests.planner.milp_reference import least_recompute, plan_recompute  # noqa: E402
 

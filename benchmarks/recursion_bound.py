@@ -68,10 +68,15 @@ def main():
 
     import families
     import graphckpt
-    from graphckpt.estimate import node_costs
+    from graphckpt.estimator import node_costs
     from graphckpt.graph import build_graph
-    from graphckpt.plan import BudgetInfeasible, MemoryModel, plan_for_budget, smallest_peak
-    from graphckpt.planner import nested
+    from graphckpt.planner import (
+        BudgetInfeasible,
+        MemoryModel,
+        nested,
+        plan_for_budget,
+        smallest_peak,
+    )
 
     for name in args.families.split(","):
         fam = FAMILIES[name]

@@ -35,7 +35,7 @@ def flagged(build, batch_size=8, seq_len=512, open_layers=False):
     import keras
 
     from graphckpt import tracing
-    from graphckpt.fit import _training_call, _twin_for
+    from graphckpt.fit_flag import _training_call, _twin_for
 
     model = build()
     traced = tracing.trace_model(model, keras.KerasTensor((batch_size, seq_len), dtype="int32"))

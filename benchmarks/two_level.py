@@ -47,9 +47,9 @@ def _plan_info(fam, budget):
 
 def _floor(fam):
     import families
-    from graphckpt.estimate import node_costs
+    from graphckpt.estimator import node_costs
     from graphckpt.graph import build_graph
-    from graphckpt.plan import MemoryModel, smallest_peak
+    from graphckpt.planner import MemoryModel, smallest_peak
 
     graph = build_graph(getattr(families, fam["builder"])(**fam["kwargs"]))
     costs = node_costs(graph, fam["batch"])

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from keras import layers  # noqa: E402
 
 from graphckpt.graph import build_graph  # noqa: E402
-from graphckpt.plan import plan_segments  # noqa: E402
+from graphckpt.planner import plan_segments  # noqa: E402
 
 
 def residual_model():

@@ -19,7 +19,7 @@ from graphckpt.budget import check_batch_size, choose_plan
 from graphckpt.checkpointed import checkpointed_model
 from graphckpt.graph import build_graph, functional_of, kept_whole_note
 from graphckpt.nesting import not_opened_note
-from graphckpt.plan import Plan
+from graphckpt.planner import Plan
 from graphckpt.segment import Segment
 from graphckpt.shapes import InputShape, open_graph, sized_graph
 

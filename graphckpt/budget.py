@@ -13,8 +13,8 @@ import numbers
 import re
 
 from graphckpt import errors, policies
-from graphckpt.estimate import node_costs, resolve_batch_size
-from graphckpt.plan import (
+from graphckpt.estimator import node_costs, resolve_batch_size
+from graphckpt.planner import (
     BudgetInfeasible,
     MemoryModel,
     plan_for_budget,

@@ -13,8 +13,10 @@ layers out of it: the weight sharing would be lost. So a
 
 `from_config` rebuilds the source, then rewrites it with the same plan, so
 the loaded model has the same segments, one object per layer, and trains
-with checkpointing. Loading needs only `import graphckpt` first (the class is
-registered as `graphckpt>CheckpointedModel`); no `custom_objects`.
+with checkpointing. The class is registered as `graphckpt>CheckpointedModel`
+when this module is imported: `keras.saving.load_model` needs no
+`custom_objects` once graphckpt's Keras side has loaded (the package
+docstring says when).
 
 Weights files (`save_weights`, `load_weights`) are the source model's own:
 see `graphckpt/weights.py`. `keras.models.clone_model` clones the source
@@ -28,7 +30,7 @@ from keras import tree
 
 from graphckpt import errors, keras_compat, weights
 from graphckpt.graph import build_graph, functional_of, saved_ordinals, tensor_key
-from graphckpt.plan import plan_from_boundaries
+from graphckpt.planner import plan_from_boundaries
 from graphckpt.rewrite import rewrite
 from graphckpt.shapes import plan_graph
 
@@ -229,8 +231,8 @@ class CheckpointedModel(keras.Model):
     """A functional model made of `Segment` layers, by `checkpoint_model`.
 
     Use it like any functional model. It saves and loads with
-    `model.save(...)` / `keras.saving.load_model(...)` (after
-    `import graphckpt`), and `graphckpt.uncheckpoint(model)` returns the
+    `model.save(...)` / `keras.saving.load_model(...)` (once this module
+    is imported: see the package docstring), and `graphckpt.uncheckpoint(model)` returns the
     plain model it was made from. Its weights files are its source model's:
     `save_weights` writes what the source model would write, and
     `load_weights` reads the source model's files. It lists its variables

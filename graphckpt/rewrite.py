@@ -269,7 +269,7 @@ def rewrite(model, graph, plan, model_class):
     Args:
         model: the built functional model (or Sequential) `graph` came from.
         graph: its layer-call graph.
-        plan: a `graphckpt.plan.Plan` over `graph`.
+        plan: a `graphckpt.planner.Plan` over `graph`.
         model_class: the new model's class, called as
             `model_class(inputs=, outputs=, source=, plan=, name=)`:
             `graphckpt.checkpointed.CheckpointedModel`, whose

@@ -336,7 +336,7 @@ def estimated_per_example(spec):
     the call's float input and output bytes), from a model of that call."""
     import keras
 
-    from graphckpt.estimate import node_costs
+    from graphckpt.estimator import node_costs
     from graphckpt.graph import build_graph
 
     kind, factory, how = (*spec, "one")[:3]

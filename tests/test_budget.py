@@ -17,7 +17,7 @@ from keras import layers
 import graphckpt
 from graphckpt.budget import parse_budget
 from graphckpt.graph import TensorInfo, build_graph
-from graphckpt.plan import (
+from graphckpt.planner import (
     BudgetInfeasible,
     NodeCosts,
     plan_for_budget,
@@ -219,7 +219,7 @@ def test_a_chain_plan_keeps_boundaries_and_recomputes_interiors():
 
 
 def test_the_planner_never_imports_keras():
-    path = os.path.join(os.path.dirname(graphckpt.__file__), "plan.py")
+    path = os.path.join(os.path.dirname(graphckpt.__file__), "planner", "__init__.py")
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('standalone_plan', {path!r})\n"

@@ -19,7 +19,7 @@ from graphckpt import cli
 from graphckpt.checkpointed import plan_to_config
 from graphckpt.cli.loading import gist
 from graphckpt.cli.startup import native_log_filter
-from graphckpt.estimate import estimate
+from graphckpt.estimator import estimate
 from graphckpt.graph import build_graph
 from graphckpt.measure import Comparison, Measurement
 from tests import models
@@ -301,13 +301,23 @@ def test_help_version_and_argument_errors_import_no_framework(argv, code):
     assert not imported & FRAMEWORKS, sorted(imported & FRAMEWORKS)
 
 
-def test_import_graphckpt_waits_for_keras_and_still_registers_its_classes(files):
-    # In a fresh process: `import graphckpt` imports no framework, and a
-    # checkpointed file still loads after it with no custom_objects.
-    script = (
+@pytest.mark.parametrize(
+    "imports",
+    [
+        # `import graphckpt` imports no framework; naming a class loads the
+        # Keras side, which registers graphckpt's classes.
         "import sys, graphckpt\n"
         "assert not {'tensorflow', 'keras', 'jax', 'torch'} & set(sys.modules), sorted(sys.modules)\n"
-        "import keras\n"
+        "from graphckpt import CheckpointedModel\n"
+        "import keras\n",
+        # With Keras imported first, `import graphckpt` registers them itself.
+        "import keras\nimport graphckpt\n",
+    ],
+    ids=["named class", "keras first"],
+)
+def test_a_checkpointed_file_loads_with_no_custom_objects(files, imports):
+    # In a fresh process, as docs/api.md says a script does it.
+    script = imports + (
         f"model = keras.saving.load_model({str(files['checkpointed'])!r})\n"
         "assert isinstance(model, graphckpt.CheckpointedModel) and callable(graphckpt.plan) and callable(graphckpt.estimate)\n"
         "print(sum(isinstance(l, graphckpt.Segment) for l in model.layers))\n"
@@ -520,8 +530,8 @@ def test_inspect_shows_segments_cut_again(capsys, tmp_path):
     """A budget below what plans of one level reach: the JSON lists each
     segment's inner segments (covering its calls), the table writes them
     as `calls = a+b*`."""
-    from graphckpt.estimate import node_costs
-    from graphckpt.plan import smallest_peak
+    from graphckpt.estimator import node_costs
+    from graphckpt.planner import smallest_peak
 
     model = models.chain(depth=24, bn=True)
     path = tmp_path / "chain24.keras"

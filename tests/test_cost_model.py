@@ -57,7 +57,7 @@ def test_the_planners_costs_are_whole_nanoseconds():
     """The budget search trusts its shift certificate only on whole-number
     costs (graphckpt/planner/front.py); fractional seconds made a 2000-call
     chain's budget plan take 143 s instead of 4."""
-    from graphckpt.estimate import node_costs
+    from graphckpt.estimator import node_costs
     from graphckpt.graph import build_graph
 
     costs = node_costs(build_graph(_conv_bn(16)), 4)

@@ -10,7 +10,7 @@ from keras import layers
 
 import graphckpt
 from graphckpt import cost_model
-from graphckpt.estimate import (
+from graphckpt.estimator import (
     call_estimates,
     estimate,
     is_expensive,
@@ -18,7 +18,7 @@ from graphckpt.estimate import (
     resolve_batch_size,
 )
 from graphckpt.graph import build_graph
-from graphckpt.plan import segment_peaks
+from graphckpt.planner import segment_peaks
 from tests import models
 
 F = 4  # bytes per float32

@@ -7,7 +7,7 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.estimate import node_costs
+from graphckpt.estimator import node_costs
 from graphckpt.graph import build_graph, call_names
 from tests import models
 from tests.helpers import BACKEND

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import graphckpt
 from graphckpt.graph import build_graph
-from graphckpt.plan import validate_plan
+from graphckpt.planner import validate_plan
 from graphckpt.segment import Segment
 from tests.helpers import compare_inference, compare_step
 from tests.models import sample_inputs

@@ -306,7 +306,7 @@ def test_parse_input_shape_fills_the_batch():
 
 
 def _twin_plan(model):
-    from graphckpt.fit import _CACHE_ATTR
+    from graphckpt.fit_flag import _CACHE_ATTR
 
     (twin,) = model.__dict__[_CACHE_ATTR].twins.values()
     return twin.model.plan

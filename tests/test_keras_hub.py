@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import graphckpt
-from graphckpt.fit import _CACHE_ATTR
+from graphckpt.fit_flag import _CACHE_ATTR
 from graphckpt.segment import Segment
 from graphckpt.shapes import UnknownDimensionWarning
 from tests.helpers import compare_step, to_numpy

@@ -15,7 +15,7 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.fit import _CACHE_ATTR
+from graphckpt.fit_flag import _CACHE_ATTR
 from graphckpt.segment import Segment
 from tests.helpers import BACKEND, to_numpy
 

@@ -167,9 +167,34 @@ def test_cli_measures_a_sequential_model(tmp_path):
     assert base["ok"] and cand["ok"] and base["peak_bytes"] > 0 and cand["num_segments"] == 2
 
 
+def test_the_child_loads_a_checkpointed_file(tmp_path):
+    """A `.keras` recipe may hold graphckpt's classes: the measured process
+    (which imports `graphckpt.measure` before Keras) registers them first."""
+    import subprocess
+    import sys
+
+    import keras
+
+    inp = keras.Input((8,))
+    x = inp
+    for _ in range(4):
+        x = keras.layers.Dense(8)(x)
+    path = tmp_path / "ck.keras"
+    graphckpt.checkpoint_model(keras.Model(inp, x), segments=2).save(path)
+    code = (
+        "from graphckpt.measure import child\n"
+        f"model = child._build_model({{'builder': {str(path)!r}, 'builder_kwargs': {{}}}})()\n"
+        "print(type(model).__name__)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1:] == ["CheckpointedModel"]
+
+
 def test_outputs_are_held_once_beside_the_segments():
     """The estimate's fixed part, one output-sized buffer alive through the
-    backward pass (graphckpt/estimate.py, `_FIXED_OUTPUTS`), against the
+    backward pass (graphckpt/estimator.py, `_FIXED_OUTPUTS`), against the
     measured peak of a model whose outputs (8 MiB) dwarf each layer's
     (1 MiB): three times the outputs over-estimated it by a third or more."""
     batch = 256

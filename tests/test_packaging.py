@@ -56,14 +56,15 @@ def test_public_api_type_hints_resolve():
 @pytest.mark.parametrize(
     "first",
     [
-        "from graphckpt.estimate import node_costs",
-        "import graphckpt.plan",
+        "from graphckpt.estimator import node_costs",
+        "import graphckpt.planner",
     ],
 )
 def test_public_functions_outlive_submodule_imports(first):
-    """`graphckpt.plan` and `graphckpt.estimate` name both a submodule and
-    a public function: importing the submodule first (before anything loads
-    the API) must leave the functions callable."""
+    """`graphckpt.plan` and `graphckpt.estimate` are functions, and no
+    submodule has their names (the planner is `graphckpt.planner`, the
+    estimator `graphckpt.estimator`): importing those first (before
+    anything loads the API) leaves the functions callable."""
     import subprocess
     import sys
 
@@ -72,8 +73,28 @@ def test_public_functions_outlive_submodule_imports(first):
         "import graphckpt\n"
         "assert callable(graphckpt.plan), graphckpt.plan\n"
         "assert callable(graphckpt.estimate), graphckpt.estimate\n"
-        "from graphckpt.plan import Plan\n"
+        "from graphckpt.planner import Plan\n"
         "assert graphckpt.Plan is Plan\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_import_graphckpt_plays_no_import_tricks():
+    """A plain package: a plain module object, and no import hook left on
+    `sys.meta_path` (the lazy names are a module `__getattr__`, PEP 562)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, types\n"
+        "def hooks():\n"
+        "    return [f for f in sys.meta_path if type(f).__module__.startswith('graphckpt')]\n"
+        "import graphckpt\n"
+        "assert type(graphckpt) is types.ModuleType, type(graphckpt)\n"
+        "assert not hooks(), hooks()\n"
+        "graphckpt.plan\n"
+        "assert not hooks() and type(graphckpt) is types.ModuleType\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]

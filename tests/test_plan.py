@@ -6,7 +6,7 @@ import networkx as nx
 import pytest
 
 from graphckpt.graph import TensorInfo, build_graph
-from graphckpt.plan import (
+from graphckpt.planner import (
     plan_from_boundaries,
     plan_segments,
     topological_order,
@@ -222,7 +222,7 @@ def test_short_segments_where_activations_are_big():
 def _least_peak_per_count(g, costs):
     """Brute force: for every segment count k, the least estimated peak of
     k segments, the last one run inline (the existing fixed-k search)."""
-    from graphckpt.plan import MemoryModel, estimated_peak
+    from graphckpt.planner import MemoryModel, estimated_peak
     from graphckpt.planner.search import _least_peak_boundaries
 
     order = topological_order(g)
@@ -238,7 +238,7 @@ def _least_peak_per_count(g, costs):
 def _random_costs(g, seed):
     import random
 
-    from graphckpt.plan import NodeCosts, graph_costs
+    from graphckpt.planner import NodeCosts, graph_costs
 
     rnd = random.Random(seed)
     base = graph_costs(g)
@@ -262,7 +262,7 @@ def test_auto_recomputes_least_near_the_least_peak(shape, seed):
     cap); so never above that peak, and below the best of every segment
     count of the old search (recomputed segments, then one inline) or
     within 1% of it."""
-    from graphckpt.plan import MemoryModel, estimated_peak, segment_peaks, smallest_peak
+    from graphckpt.planner import MemoryModel, estimated_peak, segment_peaks, smallest_peak
     from graphckpt.planner.search import AUTO_TOLERANCE
     from tests.planner.references import reference_search
 
@@ -284,7 +284,7 @@ def test_auto_keeps_segments_whole_where_they_fit_under_the_least_peak():
     the least peak is set by the big ones, and the small head fits under it
     run as it is, so the default recomputes none of it (the old search,
     recomputed segments then one inline, recomputed it all)."""
-    from graphckpt.plan import graph_costs
+    from graphckpt.planner import graph_costs
 
     sizes = {f"n{i}": (1 if i <= 8 else 100) for i in range(25)}
     g = literal_graph(chain_edges(24), sizes)
@@ -305,7 +305,7 @@ def test_auto_keeps_the_model_as_it_is_when_no_cut_helps():
     the first call's output during the second one's backward, which the
     original keeps anyway, so the peak ties with the original's and the
     fewest segments win: one, not recomputed."""
-    from graphckpt.plan import baseline_peak, estimated_peak, graph_costs
+    from graphckpt.planner import baseline_peak, estimated_peak, graph_costs
 
     g = literal_graph(chain_edges(2), {"n0": 1, "n1": 1, "n2": 10_000})
     costs = graph_costs(g)

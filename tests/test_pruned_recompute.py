@@ -18,7 +18,7 @@ from keras import layers
 import graphckpt
 from graphckpt.checkpointed import checkpointed_model
 from graphckpt.graph import build_graph
-from graphckpt.plan import plan_from_boundaries, topological_order
+from graphckpt.planner import plan_from_boundaries, topological_order
 from tests.helpers import BACKEND, compare_step
 
 pytestmark = pytest.mark.backends

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from graphckpt.plan import BudgetInfeasible, MemoryModel, plan_for_budget, smallest_peak
+from graphckpt.planner import BudgetInfeasible, MemoryModel, plan_for_budget, smallest_peak
 from tests.planner.graphs import random_costs, random_dag
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

@@ -9,7 +9,7 @@ import pytest
 from keras import layers, ops
 
 import graphckpt
-from graphckpt.fit import _CACHE_ATTR
+from graphckpt.fit_flag import _CACHE_ATTR
 from tests import subclassed_models as sm
 from tests.helpers import BACKEND, to_numpy
 

@@ -10,10 +10,10 @@ from keras import layers, ops
 import graphckpt
 from graphckpt import cost_model
 from graphckpt.checkpointed import checkpointed_model
-from graphckpt.estimate import node_costs
-from graphckpt.fit import _CACHE_ATTR
+from graphckpt.estimator import node_costs
+from graphckpt.fit_flag import _CACHE_ATTR
 from graphckpt.graph import build_graph
-from graphckpt.plan import plan_from_boundaries, smallest_peak, topological_order, validate_plan
+from graphckpt.planner import plan_from_boundaries, smallest_peak, topological_order, validate_plan
 from graphckpt.segment import Segment
 from tests import models
 from tests.helpers import BACKEND, compare_step, jax_loss_fn, state_of, train_step

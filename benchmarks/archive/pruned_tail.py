@@ -39,7 +39,7 @@ def main(argv=None):
 
     from graphckpt.checkpointed import checkpointed_model
     from graphckpt.graph import build_graph
-    from graphckpt.plan import plan_from_boundaries, topological_order
+    from graphckpt.planner import plan_from_boundaries, topological_order
 
     inp = keras.Input((1024,))
     x = inp

@@ -46,7 +46,7 @@ def describe(model, graph, plan, batch_size=None):
     `outside` (model inputs). `calls` lists each segment's layer calls; a
     path's k-th call (k > 0) is written `path#k`.
     """
-    from graphckpt.estimate import estimate
+    from graphckpt.estimator import estimate
     from graphckpt.graph import call_names
 
     names = call_names(graph)

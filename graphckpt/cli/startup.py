@@ -82,8 +82,8 @@ def import_keras():
 
     if "keras" not in sys.modules:
         with _native_stderr_filtered(_tf_log_level()):
-            import keras  # noqa: F401  (graphckpt's import hook loads its API)
-    graphckpt.load_api()
+            import keras  # noqa: F401
+    graphckpt.load_api()  # registers graphckpt's classes, for files that hold them
     return sys.modules["keras"]
 
 

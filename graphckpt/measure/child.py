@@ -85,6 +85,9 @@ def _build_model(spec):
 
     recipe, kwargs = spec["builder"], spec["builder_kwargs"]
     if recipe.endswith(".keras"):
+        import graphckpt
+
+        graphckpt.load_api()  # registers graphckpt's classes: the file may hold them
         return lambda: keras.saving.load_model(recipe, compile=False, **kwargs)
     fn = load(recipe)
     return lambda: fn(**kwargs)

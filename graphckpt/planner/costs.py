@@ -13,7 +13,7 @@ __all__ = ["NodeCosts", "SegmentPeak", "graph_costs"]
 class NodeCosts:
     """What the memory model needs about each layer call, for one batch.
 
-    `graphckpt.estimate.node_costs` makes one from a Keras model; tests make
+    `graphckpt.estimator.node_costs` makes one from a Keras model; tests make
     them by hand. Bytes are absolute for the batch the costs were made for
     (per example when `per_example` is true).
 
@@ -102,7 +102,7 @@ def graph_costs(graph):
     every tensor kept for backward, no other memory, unit compute per call.
 
     What `plan_segments` plans with when no estimate of the layers is at
-    hand (`graphckpt.estimate.node_costs` knows more about each layer)."""
+    hand (`graphckpt.estimator.node_costs` knows more about each layer)."""
     tensors = graph.graph["tensors"]
     calls = layer_nodes(graph)
     return NodeCosts(

@@ -26,7 +26,7 @@ sys.setrecursionlimit(10000)  # Keras walks a 2000-call chain recursively
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from graphckpt.graph import TensorInfo  # noqa: E402
-from graphckpt.plan import baseline_peak, graph_costs, smallest_peak, topological_order  # noqa: E402
+from graphckpt.planner import baseline_peak, graph_costs, smallest_peak, topological_order  # noqa: E402
 from tests.planner import casefile  # noqa: E402
 
 FRACTIONS = (0.25, 0.4, 0.5, 0.6, 0.8, 0.95)
@@ -108,7 +108,7 @@ def _write(name, graph, costs, keep, meta, large=False):
 
 def _model_case(name, builder, batch_size, large=False):
     from graphckpt import policies
-    from graphckpt.estimate import node_costs
+    from graphckpt.estimator import node_costs
     from graphckpt.graph import build_graph
 
     graph = build_graph(builder())

@@ -8,9 +8,10 @@ import random
 import numpy as np
 import pytest
 
-from graphckpt.plan import (
+from graphckpt.planner import (
     MemoryModel,
     estimated_peak,
+    front,
     graph_costs,
     plan_for_budget,
     plan_from_boundaries,
@@ -19,7 +20,6 @@ from graphckpt.plan import (
     smallest_peak,
     topological_order,
 )
-from graphckpt.planner import front
 from tests.planner.graphs import chain, random_costs, random_dag
 from tests.planner.references import brute_force, plan_peak, reference_search
 

@@ -7,7 +7,7 @@ optimum, which would mean a plan the model says does not fit)."""
 
 import pytest
 
-from graphckpt.plan import BudgetInfeasible, baseline_peak, plan_for_budget, smallest_peak
+from graphckpt.planner import BudgetInfeasible, baseline_peak, plan_for_budget, smallest_peak
 from tests.planner import casefile
 from tests.planner.milp_reference import least_recompute, plan_recompute  # scipy: in the test extra
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 PLANNER_MODULES = (
-    "graphckpt.plan",
+    "graphckpt.planner",
     "graphckpt.planner.data",
     "graphckpt.planner.memory",
     "graphckpt.planner.search",

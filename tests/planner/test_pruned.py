@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from graphckpt.plan import (
+from graphckpt.planner import (
     MemoryModel,
     graph_costs,
     plan_for_budget,

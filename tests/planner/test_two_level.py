@@ -3,7 +3,7 @@ budget is below what any plan of one level reaches. No Keras."""
 
 import pytest
 
-from graphckpt.plan import (
+from graphckpt.planner import (
     BudgetInfeasible,
     MemoryModel,
     NodeCosts,

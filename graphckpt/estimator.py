@@ -11,7 +11,7 @@ Contract:
   (inputs and outputs kept, plus one output-sized buffer) and are listed in
   `MemoryEstimate.unknown_layers`.
 - The peak itself comes from the planner's memory model
-  (`graphckpt.plan.segment_peaks`): during the backward pass, for each
+  (`graphckpt.planner.segment_peaks`): during the backward pass, for each
   segment in reverse order, the boundary tensors held for the earlier
   segments plus the segment's own recompute peak; the baseline is one
   segment not recomputed. A budget plan's estimate is the planner's.
@@ -38,7 +38,7 @@ import networkx as nx
 from graphckpt import cost_model, errors, keras_compat, keras_rules, layers_inside, rules
 from graphckpt.graph import build_graph, functional_of
 from graphckpt.keras_rules import is_expensive
-from graphckpt.plan import (
+from graphckpt.planner import (
     MemoryModel,
     NodeCosts,
     Plan,
@@ -104,7 +104,7 @@ class MemoryEstimate:
         peak_bytes: the plan's estimated peak (the baseline's without one).
         smallest_peak_bytes: the smallest estimated peak any plan reaches.
         fixed_bytes: the part every plan pays (loss and output gradients).
-        segments: one `graphckpt.plan.SegmentPeak` per plan segment: bytes
+        segments: one `graphckpt.planner.SegmentPeak` per plan segment: bytes
             held before it, bytes it holds, its recompute peak and its peak.
         calls: one `CallEstimate` per layer call, in the planner's order.
         forward_flops: the model's forward cost.
@@ -341,7 +341,7 @@ def node_costs(graph, batch_size=None):
         batch_size: examples per step, or None for per-example bytes.
 
     Returns:
-        A `graphckpt.plan.NodeCosts`.
+        A `graphckpt.planner.NodeCosts`.
     """
     return _costs(graph, batch_size)[0]
 
