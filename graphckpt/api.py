@@ -63,13 +63,12 @@ def _check_model(model):
     if not keras_compat.is_functional(model):
         raise errors.UnsupportedModelError(
             f"Model '{model.name}' of class {type(model).__name__} is a "
-            "subclassed model: its graph lives in its `call`, and "
-            "`checkpoint_model` returns a functional model, which would "
-            "drop your class and its methods. Expected a functional "
-            "`keras.Model(inputs, outputs)` or a `keras.Sequential`. Tip: "
-            "train your own model with `graphckpt.install()` and "
-            "`model.fit(..., gradient_checkpointing=True)`, which traces "
-            "its `call` on the data and keeps your class."
+            "subclassed model: its graph lives in its `call`, which "
+            "graphckpt traces only through the fit flag, on the data it "
+            "trains on (a functional copy would drop your class). Expected "
+            "a functional `keras.Model(inputs, outputs)` or a "
+            "`keras.Sequential`. Tip: `graphckpt.install()`, then "
+            "`model.fit(..., gradient_checkpointing=True)`."
         )
 
 

@@ -144,10 +144,13 @@ def _trace_and_check(model, batch):
 
 
 def _trace(model, batch, free_batch):
-    inputs = tree.map_structure(
-        lambda t: keras.Input(batch_shape=(None if free_batch else t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype),
-        batch,
-    )
+    def symbolic(t, name=None):
+        return keras.Input(batch_shape=(None if free_batch else t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, name=name)
+
+    if isinstance(batch, dict) and all(isinstance(t, keras.KerasTensor) for t in batch.values()):
+        inputs = {k: symbolic(t, name=k) for k, t in batch.items()}  # named as the data's keys, which plans read
+    else:
+        inputs = tree.map_structure(symbolic, batch)
     kwargs = {"training": True} if "training" in inspect.signature(model.call).parameters else {}
     losses = []
 

@@ -196,3 +196,34 @@ def test_checkpoint_model_refuses_a_subclassed_model_and_points_to_the_flag():
     model(PADDED[:2])
     with pytest.raises(graphckpt.UnsupportedModelError, match="gradient_checkpointing=True"):
         graphckpt.checkpoint_model(model)
+
+
+class TwoInputs(keras.Model):
+    """Takes a dict of inputs, as keras_hub's models and many users' do."""
+
+    def __init__(self):
+        super().__init__()
+        self.text = [layers.Dense(8, activation="tanh") for _ in range(3)]
+        self.extra = layers.Dense(8)
+        self.head = layers.Dense(1)
+
+    def call(self, inputs):
+        x = inputs["text"]
+        for dense in self.text:
+            x = dense(x)
+        return self.head(x + self.extra(inputs["extra"]))
+
+
+def test_dict_inputs_are_planned_for_the_datas_shapes(installed):
+    x = {"text": RNG.normal(size=(16, 6)).astype("float32"), "extra": RNG.normal(size=(16, 3)).astype("float32")}
+    y = RNG.normal(size=(16, 1)).astype("float32")
+    histories, models = [], []
+    for flag in ({}, {"gradient_checkpointing": 2}):
+        keras.utils.set_random_seed(2)
+        model = TwoInputs()
+        model.compile(optimizer="sgd", loss="mse")
+        histories.append(model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, **flag).history["loss"])
+        models.append(model)
+    np.testing.assert_allclose(histories[1], histories[0], rtol=2e-6 if BACKEND == "jax" else 0.0)
+    plan = _twin(models[1]).plan
+    assert len(plan.segments) == 2 and plan.batch_size == 8  # planned for the data, not per example
