@@ -35,7 +35,7 @@ import weakref
 
 import keras
 
-from graphckpt import errors, fit_data, keras_compat, tracing
+from graphckpt import errors, fit_data, keras_compat, opening, tracing
 from graphckpt.fit_report import add_hint_to_uncaught_errors, say_plan
 
 __all__ = ["install", "uninstall", "is_installed", "fit"]
@@ -245,17 +245,11 @@ def _check_own_call(model):
 
 
 def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
-    traced = None
-    if tracing.is_subclassed(model):
-        traced = _traced(original, model, planner_kwargs, args, kwargs)
-        if traced is None:
-            return original(model, *args, **kwargs)
-        if not planner_kwargs.get("open_layers"):
-            planner_kwargs = dict(planner_kwargs, open_layers=tracing.nested_models)
-    else:
-        fit_data.build_like_fit(model, original, args, kwargs)
-        _check_own_call(model)
-    twin = _twin_for(model, *fit_data.with_data_shapes(planner_kwargs, original, model, args, kwargs), traced=traced)
+    # Planning and rewriting run layers symbolically, which on PyTorch can
+    # fall back to real tensors (float16 on the CPU) and draw from its global
+    # generator: kept, so that training draws what plain `fit` draws.
+    with opening.random_state_kept():
+        twin, traced = _prepare(original, model, planner_kwargs, args, kwargs)
     if twin is None:
         return original(model, *args, **kwargs)
     say_plan(model, twin.plan, _fit_argument(original, model, args, kwargs, "verbose", "auto"))
@@ -275,6 +269,23 @@ def _checkpointed_fit(original, model, planner_kwargs, args, kwargs):
         model.train_function = saved_fn
 
 
+def _prepare(original, model, planner_kwargs, args, kwargs):
+    """`(twin, traced)` for this flagged fit (`twin` None: plain fit);
+    `traced`: a subclassed model's traced `call`, else None."""
+    traced = None
+    if tracing.is_subclassed(model):
+        traced = _traced(original, model, planner_kwargs, args, kwargs)
+        if traced is None:
+            return None, None
+        if not planner_kwargs.get("open_layers"):
+            planner_kwargs = dict(planner_kwargs, open_layers=tracing.nested_models)
+    else:
+        fit_data.build_like_fit(model, original, args, kwargs)
+        _check_own_call(model)
+    shapes = fit_data.with_data_shapes(planner_kwargs, original, model, args, kwargs)
+    return _twin_for(model, *shapes, traced=traced), traced
+
+
 def _traced(original, model, planner_kwargs, args, kwargs):
     """The traced graph of a subclassed `model`'s `call` for the data's
     first batch (`tracing.trace_model`; the model is built on that batch
@@ -282,8 +293,8 @@ def _traced(original, model, planner_kwargs, args, kwargs):
     for `gradient_checkpointing="auto"`, warns and returns None: plain fit."""
     why = "is subclassed, and the flag traces its `call` into a layer graph"
     batch = fit_data.first_batch(model, original, args, kwargs, why)
-    try:
-        if not model.built:  # as the trainer builds it; a `call` that can't run so is refused by the trace
+    try:  # built as the trainer builds it; a `call` that can't run so is refused by the trace
+        if not model.built:
             keras_compat.compute_output_spec(model, batch, training=False)
     except Exception:  # noqa: BLE001, S110
         pass

@@ -34,6 +34,7 @@ model is built from the same objects every time, and the names of the ops
 inside are derived from the layer's name (a saved plan names them).
 """
 
+import contextlib
 import inspect
 
 import keras
@@ -41,7 +42,7 @@ from keras import tree
 
 from graphckpt import keras_compat
 
-__all__ = ["open_call", "record", "own_state", "same_values", "small_batch", "is_subclassed"]
+__all__ = ["open_call", "record", "cast_inputs", "own_state", "same_values", "small_batch", "is_subclassed", "random_state_kept"]
 
 _CACHE_ATTR = "_graphckpt_opened"  # on the layer: {signature: (Functional | None, reason)}
 _ARGS = ("training",)
@@ -144,10 +145,11 @@ def _open(layer, node, shapes):
         return None, "it is called with arguments besides tensors, constants and `training`"
     if any(keras_compat.get_keras_mask(t) is not None for t in node.input_tensors):
         return None, "it is called on tensors with masks"
-    try:
-        fn = _trace(layer, node, shapes)
-    except Exception as e:  # noqa: BLE001 - any failure keeps the layer whole
-        return None, f"{_UNTRACEABLE} ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    with random_state_kept():
+        try:
+            fn = _trace(layer, node, shapes)
+        except Exception as e:  # noqa: BLE001 - any failure keeps the layer whole
+            return None, f"{_UNTRACEABLE} ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     why = _verify(layer, node, fn, shapes)
     return (fn, None) if why is None else (None, why)
 
@@ -170,14 +172,19 @@ def _trace(layer, node, shapes):
         keras.Input(batch_shape=shape, dtype=t.dtype, name=f"{layer.name}_input_{i}")
         for i, (shape, t) in enumerate(zip(shapes, node.input_tensors))
     ]
-    xs = [
-        keras.ops.cast(x, layer.compute_dtype)
-        if "float" in x.dtype and x.dtype != layer.compute_dtype and layer.autocast
-        else x
-        for x in inputs
-    ]
-    args, kwargs = _bind(node, xs)
+    args, kwargs = _bind(node, cast_inputs(layer, inputs))
     return record(layer, inputs, lambda: type(layer).call(layer, *args, **kwargs))
+
+
+def cast_inputs(layer, inputs):
+    """`inputs` (a structure of symbolic tensors) cast to `layer`'s compute
+    dtype where `Layer.__call__` would cast them: floats, with autocast on."""
+    return tree.map_structure(
+        lambda x: keras.ops.cast(x, layer.compute_dtype)
+        if "float" in x.dtype and x.dtype != layer.compute_dtype and layer.autocast
+        else x,
+        inputs,
+    )
 
 
 def record(layer, inputs, call):
@@ -343,20 +350,32 @@ def _with_grads(call, variables):
 
 
 def _run(call, state, start):
-    """Runs `call` from the non-trainable state `start` (and, on PyTorch,
-    the global generator's, which unseeded Dropout draws from), then
-    restores it: the same random draws, no statistics moved."""
+    """Runs `call` from the non-trainable state `start` (and the random
+    state: `random_state_kept`), then restores it: the same random draws,
+    no statistics moved."""
+    for v, value in zip(state, start):
+        v.assign(value)
+    try:
+        with random_state_kept():
+            return call()
+    finally:
+        for v, value in zip(state, start):
+            v.assign(value)
+
+
+@contextlib.contextmanager
+def random_state_kept():
+    """Restores, on exit, PyTorch's global generator, which unseeded Dropout
+    draws from on PyTorch, and which a symbolic call that falls back to
+    running on real tensors (float16 on the CPU) draws from too. Tracing and
+    checking a graph must not move what training draws next."""
     torch_rng = None
     if keras.backend.backend() == "torch":
         import torch
 
         torch_rng = torch.get_rng_state()
-    for v, value in zip(state, start):
-        v.assign(value)
     try:
-        return call()
+        yield
     finally:
-        for v, value in zip(state, start):
-            v.assign(value)
         if torch_rng is not None:
             torch.set_rng_state(torch_rng)

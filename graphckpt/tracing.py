@@ -86,7 +86,8 @@ def trace_model(model, batch):
         object.__setattr__(model, _CACHE_ATTR, cache)
     key = repr(tree.map_structure(lambda t: (tuple(t.shape), t.dtype), batch))
     if key not in cache:
-        cache[key] = _trace_and_check(model, batch)
+        with opening.random_state_kept():
+            cache[key] = _trace_and_check(model, batch)
     return cache[key]
 
 
@@ -162,7 +163,7 @@ def _trace(model, batch, free_batch):
         structure = []
 
         def call():
-            outputs = type(model).call(model, inputs, **kwargs)
+            outputs = type(model).call(model, opening.cast_inputs(model, inputs), **kwargs)
             structure.append(outputs)
             return [*tree.flatten(outputs), *losses]
 
@@ -216,16 +217,16 @@ def _verify(model, batch, traced):
     None."""
     xs = tree.pack_sequence_as(batch, [opening.small_batch(t.shape, t.dtype, i) for i, t in enumerate(tree.flatten(batch))])
 
-    def zero():
-        return keras.ops.convert_to_tensor(0.0)
+    def total(losses):
+        return sum((keras.ops.cast(loss, "float32") for loss in losses), keras.ops.convert_to_tensor(0.0))
 
     def want():
         outputs = model(xs, training=True)
-        return [*tree.flatten(outputs), sum(model.losses, zero())]
+        return [*tree.flatten(outputs), total(model.losses)]
 
     def got():
         outputs, losses = traced.split(traced.functional(xs, training=True))
-        return [*tree.flatten(outputs), sum(losses, zero()) + sum(traced.functional.losses, zero())]
+        return [*tree.flatten(outputs), total(losses) + total(traced.functional.losses)]
 
     return opening.same_values(model, want, got)
 

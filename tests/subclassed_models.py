@@ -95,7 +95,7 @@ class Sampling(layers.Layer):
 
     def call(self, inputs):
         mean, log_var = inputs
-        eps = keras.random.normal(ops.shape(mean), seed=self.seed_generator)
+        eps = keras.random.normal(ops.shape(mean), dtype=mean.dtype, seed=self.seed_generator)
         return mean + ops.exp(0.5 * log_var) * eps
 
 
