@@ -26,10 +26,11 @@ METHODS = {
     "baseline": dict(method="baseline"),
     "fit flag (traced)": dict(method=f"{HERE}:flagged"),
     "fit flag open_layers": dict(method=f"{HERE}:flagged", method_kwargs={"open_layers": True}),
+    "fit flag budget=0.3": dict(method=f"{HERE}:flagged", method_kwargs={"budget": 0.3}),
 }
 
 
-def flagged(build, batch_size=8, seq_len=512, open_layers=False):
+def flagged(build, batch_size=8, seq_len=512, open_layers=False, budget=None):
     """The model `build()` returns, its training calls routed through the
     checkpointed graph of its traced `call`, as the fit flag routes them."""
     import keras
@@ -40,6 +41,8 @@ def flagged(build, batch_size=8, seq_len=512, open_layers=False):
     model = build()
     traced = tracing.trace_model(model, keras.KerasTensor((batch_size, seq_len), dtype="int32"))
     planner = {"input_shape": (batch_size, seq_len), "open_layers": open_layers or tracing.nested_models}
+    if budget is not None:
+        planner["budget"] = budget
     twin = _twin_for(model, planner, traced=traced)
     print(f"plan: {twin.plan}", flush=True)
     object.__setattr__(model, "call", _training_call(model, twin, traced))

@@ -48,7 +48,16 @@ def _twin(model):
     return twin
 
 
-@pytest.mark.parametrize("case", list(CASES))
+CASES["gpt_256"] = (
+    lambda: sm.GPT(length=256, dim=64, heads=4, ffn=128, depth=8),
+    (RNG.integers(1, 1000, size=(16, 256)), RNG.integers(0, 1000, size=(16, 256))),
+    SCE,
+)  # the size: 8 blocks at sequence 256 (slow: run by hand, `-m slow`)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c == "gpt_256" else c for c in CASES]
+)
 def test_a_subclassed_model_trains_exactly_as_plain_fit(installed, case):
     plain, plain_losses = _fit(case)
     model, losses = _fit(case, gradient_checkpointing=True)
