@@ -33,11 +33,11 @@ import dataclasses
 import math
 
 import keras
-import networkx as nx
 
 from graphckpt import cost_model, errors, keras_compat, keras_rules, layers_inside, rules
 from graphckpt.graph import build_graph, functional_of
 from graphckpt.keras_rules import is_expensive
+from graphckpt.layer_graph import LayerGraph
 from graphckpt.planner import (
     MemoryModel,
     NodeCosts,
@@ -356,7 +356,7 @@ def estimate(
     plan: Plan | None = None,
     *,
     batch_size: int | None = None,
-    graph: nx.DiGraph | None = None,
+    graph: LayerGraph | None = None,
     input_shape: InputShape | None = None,
 ) -> MemoryEstimate:
     """Estimates peak training-step activation memory, with or without a plan.
