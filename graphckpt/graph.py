@@ -128,13 +128,13 @@ def dependencies(model, outputs=None):
     return needed, _walk_back(calls, needed)
 
 
-def _walk_back(calls, needed):
+def _walk_back(calls, needed, variables=True):
     """The liveness walk of `dependencies` and `live_tensors`: `calls` are
     a model's calls from its outputs back, each `(outs, ins, op, args)`: the
     handles of its output and input tensors, its operation and its input
     KerasTensors; `needed` holds the handles of the tensors wanted. Adds
     those they are computed from to `needed`, and returns the variables of
-    the calls on the way."""
+    the calls on the way (none unless `variables`)."""
     import keras
 
     read = {}
@@ -144,11 +144,12 @@ def _walk_back(calls, needed):
             continue
         inner = functional_of(op) if isinstance(op, keras.Model) else None
         if keras_compat.is_functional(inner) and len(args) == len(inner.inputs):
-            inner_tensors, variables = dependencies(inner, used)
+            inner_tensors, found = dependencies(inner, used)
             ins = [t for t, x in zip(ins, inner.inputs) if id(x) in inner_tensors]
         else:
-            variables = getattr(op, "variables", ())  # ops have none
-        read.update((id(v), v) for v in variables)
+            found = getattr(op, "variables", ()) if variables else ()  # ops have none
+        if variables:
+            read.update((id(v), v) for v in found)
         needed.update(ins)
     return list(read.values())
 
@@ -377,7 +378,7 @@ def live_tensors(graph):
         for _, data in sorted(graph.nodes(data=True), key=lambda item: item[1]["position"], reverse=True)
         if data["kind"] != INPUT
     )
-    _walk_back(calls, needed)
+    _walk_back(calls, needed, variables=False)
     return needed
 
 
