@@ -113,7 +113,7 @@ def probe(families, repeats):
         builder, kwargs, batch = PROBED[name]
         model = getattr(builders, builder)(**kwargs)
         graph = build_graph(model)
-        tensors = graph.graph["tensors"]
+        tensors = graph.tensors
         by_node = {c.node: c for c in call_estimates(graph, batch)}
         for key in layer_nodes(graph):
             data = graph.nodes[key]

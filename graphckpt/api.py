@@ -193,7 +193,7 @@ def _planned(
         # which can lose a dimension the layer itself knows
         # (MultiHeadAttention's projections lose the sequence length).
         graph, input_shape = open_graph(model, input_shape, batch_size, open_layers)
-        if graph.graph["at_known_shapes"]:  # some layer serves these shapes only
+        if graph.at_known_shapes:  # some layer serves these shapes only
             opened_at = tuple(tuple(s) for s in input_shape)
         if not_opened_note(graph):
             warnings.warn(f"Model '{model.name}':{not_opened_note(graph)}", errors.GraphckptWarning, stacklevel=stacklevel)
@@ -205,7 +205,7 @@ def _planned(
     the_plan, unchanged = choose_plan(sized, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
     if open_layers:
         the_plan = dataclasses.replace(
-            the_plan, open_layers=True, opened_at=opened_at, kept_closed=graph.graph["kept_closed"]
+            the_plan, open_layers=True, opened_at=opened_at, kept_closed=graph.kept_closed
         )
     return Planned(graph, sized, the_plan, unchanged)
 

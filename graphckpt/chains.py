@@ -1,11 +1,12 @@
 """Layer calls that share state, which must run in Keras's order.
 
-`state_chains(graph)` is `graph.graph["state_chains"]` (see
+`state_chains(graph)` is `graph.state_chains` (see
 `graphckpt.graph`); the planner keeps the calls of each chain in their order
 (`graphckpt.planner.data.topological_order`), and the rewrite runs them so.
 """
 
 from graphckpt import keras_compat
+from graphckpt.layer_graph import INPUT
 
 __all__ = ["state_chains"]
 
@@ -56,7 +57,7 @@ def state_chains(graph):
     by_variable = {}
     calls = sorted(graph.nodes(data=True), key=lambda item: item[1]["position"])
     for key, data in calls:
-        if data["kind"] == "input":
+        if data["kind"] == INPUT:
             continue
         layer = data["layer"]
         for v in getattr(layer, "non_trainable_variables", ()):  # ops have none

@@ -33,11 +33,11 @@ import dataclasses
 import math
 
 import keras
-import networkx as nx
 
 from graphckpt import cost_model, errors, keras_compat, keras_rules, layers_inside, rules
 from graphckpt.graph import build_graph, functional_of
 from graphckpt.keras_rules import is_expensive
+from graphckpt.layer_graph import LayerGraph
 from graphckpt.planner import (
     MemoryModel,
     NodeCosts,
@@ -145,14 +145,14 @@ def _nested_rule(layer, ins, outs, batch_size):
     """A nested functional model or Sequential: the sum of its own calls,
     with the shapes it is called on."""
     graph = build_graph(layer)
-    inner = [graph.graph["tensors"][k].shape for k in graph.graph["inputs"]]
+    inner = [graph.tensors[k].shape for k in graph.inputs]
     outer = [i.shape for i in ins]
     if outer != inner and [len(s) for s in outer] == [len(s) for s in inner]:
-        graph.graph["tensors"], _ = propagate(graph, outer)
+        graph = graph.with_tensors(propagate(graph, outer)[0], shapes_resolved=False)
     costs, calls = _costs(graph, None)
     inner_layers = [graph.nodes[c.node]["layer"] for c in calls]
-    inner_inputs = graph.graph["inputs"]
-    inner_outputs = graph.graph["outputs"]
+    inner_inputs = graph.inputs
+    inner_outputs = graph.outputs
     saved_in = frozenset(i for i, k in enumerate(inner_inputs) if k in costs.saved)
     saved_out = frozenset(i for i, k in enumerate(inner_outputs) if k in costs.saved)
     internal = sum(c.kept_bytes for c in calls) - sum(
@@ -251,7 +251,7 @@ def _var_bytes(v):
 def _costs(graph, batch_size):
     """(`NodeCosts`, CallEstimates) for `graph`; per example when
     `batch_size` is None (parameter gradients left out then)."""
-    tensors = graph.graph["tensors"]
+    tensors = graph.tensors
     scale = batch_size or 1
     tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
     saved, internal, workspace, compute, by_call, forward_temp = set(), {}, {}, {}, {}, {}
@@ -277,7 +277,7 @@ def _costs(graph, batch_size):
         compute[key] = cost_model.nanoseconds(cost_model.call_seconds(data["class_name"], rule, ins, outs, batch_size))
         if prunes and rule.is_prunable:
             prunable.add(key)
-    out_bytes = sum(tensor_bytes[k] for k in graph.graph["outputs"])
+    out_bytes = sum(tensor_bytes[k] for k in graph.outputs)
     costs = NodeCosts(
         tensor_bytes=tensor_bytes,
         saved=frozenset(saved),
@@ -293,7 +293,7 @@ def _costs(graph, batch_size):
     )
     calls = []
     for key, rule in by_call.items():
-        made = [t for t in graph.graph["tensors"].values() if t.producer == key]
+        made = [t for t in graph.tensors.values() if t.producer == key]
         kept = internal[key] + sum(tensor_bytes[t.key] for t in made if t.key in costs.saved)
         calls.append(
             CallEstimate(
@@ -328,7 +328,7 @@ def resolve_batch_size(model_or_graph, batch_size=None):
         fn = functional_of(model_or_graph)
         dims = {t.shape[0] for t in fn.inputs}
     else:
-        dims = {graph.graph["tensors"][k].shape[0] for k in graph.graph["inputs"]}
+        dims = {graph.tensors[k].shape[0] for k in graph.inputs}
     dims.discard(None)
     return dims.pop() if len(dims) == 1 else None
 
@@ -356,7 +356,7 @@ def estimate(
     plan: Plan | None = None,
     *,
     batch_size: int | None = None,
-    graph: nx.DiGraph | None = None,
+    graph: LayerGraph | None = None,
     input_shape: InputShape | None = None,
 ) -> MemoryEstimate:
     """Estimates peak training-step activation memory, with or without a plan.
@@ -397,7 +397,7 @@ def estimate(
         graph = build_graph(model)
     if batch_size is not None:
         resolve_batch_size(graph, batch_size)  # checked before comparing it with `input_shape`
-    if input_shape is not None or not graph.graph.get("shapes_resolved"):
+    if input_shape is not None or not graph.shapes_resolved:
         graph, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=3)
     batch_size = resolve_batch_size(graph, batch_size)
     costs, calls = _costs(graph, batch_size)

@@ -1,4 +1,5 @@
-"""Keras functional model -> `networkx.DiGraph` of layer calls.
+"""Keras functional model -> `LayerGraph` of layer calls
+(`graphckpt.layer_graph`: a `networkx.DiGraph` with typed graph-level fields).
 
 Contract:
 - One node per layer *call* (Keras `Node`), keyed `(layer_name, node_index)`:
@@ -12,7 +13,7 @@ Contract:
   not be replayed call by call exactly (see `graphckpt.nesting.flattenable`: an overridden
   `call`, extra call arguments, a call of it leading only to outputs
   nothing reads, an input it ignores) stays one node, and
-  `graph.graph["kept_whole"]` says why.
+  `graph.kept_whole` says why.
 - Each node's `in_keys` / `out_keys` are the graph keys of its Keras
   node's `input_tensors` / `outputs`, in order: a flattened model's inner
   inputs stand for the outer tensors they were called on, and its outer
@@ -24,19 +25,19 @@ Contract:
   keys of the tensors that flow along it; a key is
   `(layer_path, node_index, tensor_index)`, Keras's own `_keras_history`
   with the layer's path for the name.
-- `graph.graph["state_chains"]` lists tuples of layer calls that share
+- `graph.state_chains` lists tuples of layer calls that share
   state (the non-trainable variables of a shared BatchNormalization or
   Dropout; for all Lambda and custom layers, whatever their code may share,
   such as Keras's global seed generator; the mask attached to a tensor its
   readers share), each in Keras's execution order: they must run in that
   order (`graphckpt.chains`).
-- `graph.graph["kept_whole"]` maps the path of each nested model's call that
+- `graph.kept_whole` maps the path of each nested model's call that
   stays one node to why (`kept_whole_note` puts it in words for warnings).
-- `graph.graph["tensors"]` maps each tensor key to a `TensorInfo`;
-  `graph.graph["inputs"]` / `["outputs"]` list the model's input and output
-  tensor keys, flattened, in the model's order.
+- `graph.tensors` maps each tensor key to a `TensorInfo`; `graph.inputs` /
+  `graph.outputs` list the model's input and output tensor keys, flattened,
+  in the model's order. The other fields are `LayerGraph`'s.
 
-Node attributes: `kind`, `layer` (the Keras operation), `class_name`,
+Node attributes: `kind` (`layer_graph.INPUT` or `LAYER`), `layer` (the Keras operation), `class_name`,
 `position` (the call's position in Keras's execution order), `node` (the
 Keras `Node`), `in_keys` (the graph keys of the call's input tensors, aligned
 with `node.input_tensors`) and `out_keys` (those of `node.outputs`). Read a
@@ -44,16 +45,15 @@ call's tensors through `in_keys` / `out_keys`, not through the Keras node.
 The planner reads only `kind`, `position` and the tensor data.
 """
 
-import dataclasses
 import math
-
-import networkx as nx
 
 from graphckpt import keras_compat
 from graphckpt.chains import state_chains
+from graphckpt.layer_graph import INPUT, LAYER, LayerGraph, TensorInfo
 from graphckpt.nesting import called_on, flattenable, functional_of, kept_whole_note, nodes_of
 
 __all__ = [
+    "LayerGraph",
     "TensorInfo",
     "build_graph",
     "call_names",
@@ -65,24 +65,6 @@ __all__ = [
     "live_tensors",
     "tensor_key",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """Static facts about one symbolic tensor.
-
-    `nbytes` counts one example (the batch dimension left out); unknown
-    dimensions count as 1 (`graphckpt.shapes.sized_graph` gives every
-    tensor its real shape from the input shapes, and warns when it can't).
-    """
-
-    key: tuple
-    producer: tuple
-    shape: tuple
-    dtype: str
-    nbytes: int
-    sparse: bool = False
-    ragged: bool = False
 
 
 def tensor_key(tensor):
@@ -133,28 +115,43 @@ def dependencies(model, outputs=None):
         of the layers on the way, trainable or not: `trainable` flags change
         (freezing, unfreezing), so callers filter them when they use them.
     """
-    import keras
-
     fn = functional_of(model)
     wanted = fn.outputs if outputs is None else [fn.outputs[i] for i in outputs]
     needed = {id(t) for t in wanted}
-    read = {}
     by_depth = keras_compat.nodes_by_depth(fn)
-    for depth in sorted(by_depth):  # from the outputs back
-        for node in by_depth[depth]:
-            used = [i for i, t in enumerate(node.outputs) if id(t) in needed]
-            if node.is_input or not used:
-                continue
-            op, args = node.operation, node.input_tensors
-            inner = functional_of(op) if isinstance(op, keras.Model) else None
-            if keras_compat.is_functional(inner) and len(args) == len(inner.inputs):
-                inner_tensors, variables = dependencies(inner, used)
-                args = [a for a, x in zip(args, inner.inputs) if id(x) in inner_tensors]
-            else:
-                variables = getattr(op, "variables", ())  # ops have none
-            read.update((id(v), v) for v in variables)
-            needed.update(id(t) for t in args)
-    return needed, list(read.values())
+    calls = (
+        ([id(t) for t in node.outputs], [id(t) for t in node.input_tensors], node.operation, node.input_tensors)
+        for depth in sorted(by_depth)  # from the outputs back
+        for node in by_depth[depth]
+        if not node.is_input
+    )
+    return needed, _walk_back(calls, needed)
+
+
+def _walk_back(calls, needed, variables=True):
+    """The liveness walk of `dependencies` and `live_tensors`: `calls` are
+    a model's calls from its outputs back, each `(outs, ins, op, args)`: the
+    handles of its output and input tensors, its operation and its input
+    KerasTensors; `needed` holds the handles of the tensors wanted. Adds
+    those they are computed from to `needed`, and returns the variables of
+    the calls on the way (none unless `variables`)."""
+    import keras
+
+    read = {}
+    for outs, ins, op, args in calls:
+        used = [i for i, t in enumerate(outs) if t in needed]
+        if not used:
+            continue
+        inner = functional_of(op) if isinstance(op, keras.Model) else None
+        if keras_compat.is_functional(inner) and len(args) == len(inner.inputs):
+            inner_tensors, found = dependencies(inner, used)
+            ins = [t for t, x in zip(ins, inner.inputs) if id(x) in inner_tensors]
+        else:
+            found = getattr(op, "variables", ()) if variables else ()  # ops have none
+        if variables:
+            read.update((id(v), v) for v in found)
+        needed.update(ins)
+    return list(read.values())
 
 
 class _Builder:
@@ -162,7 +159,7 @@ class _Builder:
     nested models' calls (see `graphckpt.nesting.flattenable`)."""
 
     def __init__(self, keep_whole=frozenset(), open_layers=False, known_shapes=None, closed=()):
-        self.graph = nx.DiGraph()
+        self.graph = LayerGraph()
         self.open_layers = open_layers  # open composite layers (graphckpt.opening): bool or predicate
         self.closed = frozenset(closed)  # paths of composite layer calls kept whole as asked
         self.kept_closed = []  # those found: the predicate's no's, and `closed`
@@ -189,7 +186,7 @@ class _Builder:
         for node in nodes:
             if node.is_input:
                 if bound is None:
-                    self._add_node(node, "", [], None, kind="input")
+                    self._add_node(node, "", [], None, kind=INPUT)
                     keys[id(node.outputs[0])] = tensor_key(node.outputs[0])
                 continue
             in_keys = [keys[id(t)] for t in node.input_tensors]
@@ -253,7 +250,7 @@ class _Builder:
             self.at_known_shapes = True  # traced at `known_shapes`: the graph serves those only
         return (inner, list(node.input_tensors), True) if inner is not None else (None, None, False)
 
-    def _add_node(self, node, prefix, in_keys, training, scope=None, kind="layer", opened=None, root=None):
+    def _add_node(self, node, prefix, in_keys, training, scope=None, kind=LAYER, opened=None, root=None):
         op = node.operation
         key = (prefix + op.name, keras_compat.inbound_nodes(op).index(node))
         out_keys = [(key[0], key[1], i) for i in range(len(node.outputs))]
@@ -279,7 +276,7 @@ class _Builder:
         # without a `sparse` attribute (PyTorch's).
         import keras
 
-        dense = kind == "layer" and not isinstance(op, keras.layers.Layer) and not any(
+        dense = kind == LAYER and not isinstance(op, keras.layers.Layer) and not any(
             getattr(t, "sparse", False) for t in node.input_tensors
         )
         for t, k in zip(node.outputs, out_keys):
@@ -325,10 +322,10 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=()):
             `keras.Sequential`.
         open_layers: also flatten the calls of composite layers (a layer
             whose `call` calls other layers and `keras.ops`) where
-            `graphckpt.opening.open_call` can; `graph.graph["not_opened"]`
+            `graphckpt.opening.open_call` can; `graph.not_opened`
             says why the others stay one node. A callable `open_layers(layer)
             -> bool` opens only the composite layers it says yes to; the
-            paths of the others are in `graph.graph["kept_closed"]`.
+            paths of the others are in `graph.kept_closed`.
         known_shapes: with `open_layers`, the input shapes of the calls of
             the graph without it (node key -> one shape per input tensor),
             for the layers that trace only at known shapes
@@ -337,7 +334,7 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=()):
             plan's `kept_closed`).
 
     Returns:
-        A `networkx.DiGraph`, as described in the module docstring.
+        A `LayerGraph`, as described in the module docstring.
 
     Example:
         >>> g = build_graph(model)
@@ -353,16 +350,18 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=()):
             break
         keep_whole |= clashes
     graph = builder.graph
-    graph.graph["tensors"] = builder.tensors
-    graph.graph["state_chains"] = state_chains(graph)
-    graph.graph["inputs"] = [keys[id(t)] for t in fn.inputs]
-    graph.graph["outputs"] = [keys[id(t)] for t in fn.outputs]
-    graph.graph["name"] = model.name
-    graph.graph["kept_whole"] = builder.whole
-    graph.graph["not_opened"] = builder.not_opened
-    graph.graph["open_layers"] = bool(open_layers)
-    graph.graph["kept_closed"] = tuple(builder.kept_closed)
-    graph.graph["at_known_shapes"] = builder.at_known_shapes
+    graph.set_fields(
+        tensors=builder.tensors,
+        state_chains=state_chains(graph),
+        inputs=[keys[id(t)] for t in fn.inputs],
+        outputs=[keys[id(t)] for t in fn.outputs],
+        name=model.name,
+        kept_whole=builder.whole,
+        not_opened=builder.not_opened,
+        open_layers=bool(open_layers),
+        kept_closed=tuple(builder.kept_closed),
+        at_known_shapes=builder.at_known_shapes,
+    )
     return graph
 
 
@@ -373,22 +372,13 @@ def live_tensors(graph):
     the inputs its used outputs read (`dependencies`), so a tensor that only
     feeds an input it ignores is not live.
     """
-    import keras
-    Functional = keras_compat.functional_class()
-
-    needed = set(graph.graph["outputs"])
-    for key in sorted(graph.nodes, key=lambda n: graph.nodes[n]["position"], reverse=True):
-        data = graph.nodes[key]
-        used = [i for i, k in enumerate(data["out_keys"]) if k in needed]
-        if data["kind"] == "input" or not used:
-            continue
-        op, in_keys = data["layer"], list(data["in_keys"])
-        inner = functional_of(op) if isinstance(op, keras.Model) else None
-        args = data["node"].input_tensors
-        if isinstance(inner, Functional) and len(args) == len(inner.inputs):
-            inner_tensors, _ = dependencies(inner, used)
-            in_keys = [k for k, x in zip(in_keys, inner.inputs) if id(x) in inner_tensors]
-        needed.update(in_keys)
+    needed = set(graph.outputs)
+    calls = (
+        (data["out_keys"], list(data["in_keys"]), data["layer"], data["node"].input_tensors)
+        for _, data in sorted(graph.nodes(data=True), key=lambda item: item[1]["position"], reverse=True)
+        if data["kind"] != INPUT
+    )
+    _walk_back(calls, needed, variables=False)
     return needed
 
 
@@ -408,7 +398,7 @@ def call_ordinals(graph):
     """
     by_layer = {}
     for key, data in graph.nodes(data=True):
-        if data["kind"] != "input":
+        if data["kind"] != INPUT:
             by_layer.setdefault(key[0], []).append(key)
     return {key: (name, k) for name, keys in by_layer.items() for k, key in enumerate(sorted(keys, key=lambda n: n[1]))}
 

@@ -4,7 +4,7 @@ so cuts can fall inside them) and which stay one node, and why.
 A nested functional model or Sequential called as a layer is flattened
 when replaying its layer calls one by one computes exactly what calling it
 does (`flattenable`); otherwise it stays one call, recomputed whole, and
-`graph.graph["kept_whole"]` records why (`kept_whole_note` words it for the
+`graph.kept_whole` records why (`kept_whole_note` words it for the
 warnings of `checkpoint_model` and the fit flag).
 """
 
@@ -125,7 +125,7 @@ def _is_keras_tensor(x):
 def kept_whole_note(graph):
     """A sentence for a warning: the nested models whose calls stay one node
     (no cut can fall inside them) and why; empty when there are none."""
-    whole = graph.graph.get("kept_whole") or {}
+    whole = graph.kept_whole
     if not whole:
         return ""
     items = "; ".join(f"'{name}' ({why})" for name, why in whole.items())
@@ -140,7 +140,7 @@ def not_opened_note(graph):
     whole (one call, no cut inside) and why, grouped by reason; empty when
     there are none."""
     by_reason = {}
-    for path, why in (graph.graph.get("not_opened") or {}).items():
+    for path, why in graph.not_opened.items():
         by_reason.setdefault(why, []).append(f"'{path}'")
     if not by_reason:
         return ""

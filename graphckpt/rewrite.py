@@ -76,14 +76,14 @@ def _replay_fragment(graph, run, values, calls, names):
     produced = {k for n in run for k in graph.nodes[n]["out_keys"]}
     needed = [k for n in run for k in graph.nodes[n]["in_keys"] if k not in produced]
     needed = list(dict.fromkeys(needed))
-    outputs = graph.graph["outputs"]
+    outputs = graph.outputs
     exported = [
         k
         for n in run
         for k in graph.nodes[n]["out_keys"]
         if k in outputs or any(s not in inside and k in graph.nodes[s]["in_keys"] for s in graph.successors(n))
     ]
-    tensors = graph.graph["tensors"]
+    tensors = graph.tensors
     local = {k: keras.Input(batch_shape=tensors[k].shape, dtype=tensors[k].dtype) for k in needed}
     inner_calls = []
     fragment_values = dict(local)
@@ -160,7 +160,7 @@ def _segment_model(graph, seg, name, policy, names):
     model's dtype `policy`. A segment cut again (`seg.inner`) holds its
     recomputed inner segments as `Segment` layers of their own, named from
     `name` (`names`: `_Names`)."""
-    tensors = graph.graph["tensors"]
+    tensors = graph.tensors
     values = {}
     inputs = []
     for key in seg.inputs:
@@ -287,7 +287,7 @@ def rewrite(model, graph, plan, model_class):
     source_names = _source_names(model, graph)
     lengths = _nodes_lengths(graph)
     try:
-        values = dict(zip(graph.graph["inputs"], fn.inputs))
+        values = dict(zip(graph.inputs, fn.inputs))
         taken = {t.name for t in fn.inputs}
         # Segments with `remat=False` (budget plans, policies) call their
         # layers directly in the new model, under their own names.
@@ -298,7 +298,7 @@ def rewrite(model, graph, plan, model_class):
         for seg in plan.segments:
             _add_segment(graph, seg, values, calls, policy, names)
         outputs = []
-        for key, original in zip(graph.graph["outputs"], fn.outputs):
+        for key, original in zip(graph.outputs, fn.outputs):
             out = values[key]
             # An output made inline by the original's own output layer
             # already carries its name.

@@ -7,7 +7,7 @@ Contract:
   such a dimension makes every estimate and plan one for sequences of
   length 1 (or 1 x 1 images).
 - `sized_graph(graph, input_shape, batch_size)` returns a copy of the graph
-  whose `graph.graph["tensors"]` hold every tensor's real shape: the input
+  whose `graph.tensors` hold every tensor's real shape: the input
   shapes given (Keras's spelling, as `model.build` takes them, batch
   dimension included), propagated call by call with each operation's
   `compute_output_spec` on KerasTensors of those shapes, the way Keras's
@@ -39,6 +39,7 @@ import networkx as nx
 
 from graphckpt import errors, keras_compat
 from graphckpt.graph import build_graph, dtype_size, functional_of
+from graphckpt.layer_graph import INPUT
 
 __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propagate", "unknown_inputs"]
 
@@ -70,7 +71,7 @@ def _is_shape(value):
 
 
 def _input_names(graph):
-    return [key[0] for key in graph.graph["inputs"]]
+    return [key[0] for key in graph.inputs]
 
 
 def _shape_text(shape):
@@ -155,8 +156,8 @@ def parse_input_shape(graph, input_shape, batch_size=None):
             of inputs or dimension, or batch sizes that disagree.
     """
     names = _input_names(graph)
-    tensors = graph.graph["tensors"]
-    symbolic = [tensors[k].shape for k in graph.graph["inputs"]]
+    tensors = graph.tensors
+    symbolic = [tensors[k].shape for k in graph.inputs]
     given = _by_input(graph, input_shape)
     shapes = []
     for i, name in enumerate(names):
@@ -206,7 +207,7 @@ def propagate(graph, shapes):
 
     Args:
         graph: a layer-call graph.
-        shapes: one shape per `graph.graph["inputs"]` key, in order.
+        shapes: one shape per `graph.inputs` key, in order.
 
     Returns:
         `(tensors, failed)`: a dict tensor key -> `TensorInfo` with the
@@ -214,20 +215,20 @@ def propagate(graph, shapes):
     """
     from keras import KerasTensor
 
-    tensors = dict(graph.graph["tensors"])
+    tensors = dict(graph.tensors)
     specs = {}
 
     def spec(key, shape):
-        info = graph.graph["tensors"][key]
+        info = graph.tensors[key]
         specs[key] = KerasTensor(shape, dtype=info.dtype)
         tensors[key] = _info(info, tuple(shape))
 
-    for key, shape in zip(graph.graph["inputs"], shapes):
+    for key, shape in zip(graph.inputs, shapes):
         spec(key, shape)
     failed = {}
     for call in _topological(graph):
         data = graph.nodes[call]
-        if data["kind"] == "input":
+        if data["kind"] == INPUT:
             continue
         in_keys, out_keys = data["in_keys"], data["out_keys"]
         mapping = {id(t): specs.get(k) for t, k in zip(data["node"].input_tensors, in_keys)}
@@ -243,7 +244,7 @@ def propagate(graph, shapes):
                 raise ValueError(f"{len(found)} outputs, where the graph has {len(out_keys)}")
         except Exception as e:  # noqa: BLE001 - any failure keeps the symbolic shapes
             failed[call] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-            found = [tuple(graph.graph["tensors"][k].shape) for k in out_keys]
+            found = [tuple(graph.tensors[k].shape) for k in out_keys]
         for key, shape in zip(out_keys, found):
             spec(key, shape)
     return tensors, failed
@@ -261,10 +262,10 @@ def _lost_dimensions(found, args, kwargs):
 
 def unknown_inputs(graph):
     """`(name, shape)` of each graph input with an unknown non-batch dimension."""
-    tensors = graph.graph["tensors"]
+    tensors = graph.tensors
     return [
         (key[0], tensors[key].shape)
-        for key in graph.graph["inputs"]
+        for key in graph.inputs
         if any(d is None for d in tensors[key].shape[1:])
     ]
 
@@ -275,7 +276,7 @@ def _warn_unknown_inputs(graph, stacklevel):
         return
     listed = ", ".join(f"{name!r} {_shape_text(shape)}" for name, shape in unknown)
     warnings.warn(
-        f"Model {graph.graph.get('name')!r}: input(s) {listed} have unknown non-batch dimensions. "
+        f"Model {graph.name!r}: input(s) {listed} have unknown non-batch dimensions. "
         "graphckpt counts each as 1, so its memory estimates and plans are for inputs of that size "
         f"(for text models: sequences of length 1), not for the data you train on. {_TIP}",
         UnknownDimensionWarning,
@@ -289,7 +290,7 @@ def _warn_failed(graph, failed, stacklevel):
     listed = "; ".join(f"{call[0]!r} ({why})" for call, why in list(failed.items())[:3])
     more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
     warnings.warn(
-        f"Model {graph.graph.get('name')!r}: the real output shapes of {len(failed)} layer call(s) could "
+        f"Model {graph.name!r}: the real output shapes of {len(failed)} layer call(s) could "
         f"not be found from `input_shape`: {listed}{more}. Their unknown dimensions count as 1.",
         UnknownDimensionWarning,
         stacklevel=stacklevel + 1,
@@ -310,24 +311,21 @@ def sized_graph(graph, input_shape=None, batch_size=None, *, stacklevel=2):
         one warning, the first time, if an input has an unknown non-batch
         dimension) and `batch_size`; with it, a copy whose tensors have the
         propagated shapes, and the batch size they give. Either way
-        `graph.graph["shapes_resolved"]` is then true: `estimate(graph=...)`
+        `graph.shapes_resolved` is then true: `estimate(graph=...)`
         uses such a graph as it is.
 
     Raises:
         graphckpt.InvalidArgumentError: a wrong `input_shape`.
     """
     if input_shape is None:
-        if not graph.graph.get("shapes_resolved"):
+        if not graph.shapes_resolved:
             _warn_unknown_inputs(graph, stacklevel)
-        graph.graph["shapes_resolved"] = True  # warned once
+        graph.mark_shapes_resolved()  # warned once
         return graph, batch_size
     shapes, batch = parse_input_shape(graph, input_shape, batch_size)
     tensors, failed = propagate(graph, shapes)
     _warn_failed(graph, failed, stacklevel)
-    sized = graph.copy()  # new node and graph dicts; the Keras objects are shared
-    sized.graph["tensors"] = tensors
-    sized.graph["shapes_resolved"] = True
-    return sized, batch
+    return graph.with_tensors(tensors), batch
 
 
 def open_graph(model, input_shape=None, batch_size=None, open_layers=True, closed=()):
@@ -347,7 +345,7 @@ def open_graph(model, input_shape=None, batch_size=None, open_layers=True, close
     shapes, _ = parse_input_shape(plain, input_shape)
     tensors, _ = propagate(plain, shapes)
     known = {
-        key: [tensors[k].shape for k in data["in_keys"]] for key, data in plain.nodes(data=True) if data["kind"] != "input"
+        key: [tensors[k].shape for k in data["in_keys"]] for key, data in plain.nodes(data=True) if data["kind"] != INPUT
     }
     graph = build_graph(model, open_layers=open_layers, known_shapes=known, closed=closed)
     return graph, [tuple(s) for s in shapes]

@@ -346,9 +346,9 @@ def estimated_per_example(spec):
     graph = build_graph(model)
     costs = node_costs(graph)
     kept = sum(costs.internal.values()) + sum(costs.tensor_bytes[k] for k in costs.saved)
-    tensors = graph.graph["tensors"]
+    tensors = graph.tensors
     io = sum(
-        4 * math.prod(tensors[k].shape[1:]) for k in graph.graph["inputs"] + graph.graph["outputs"]
+        4 * math.prod(tensors[k].shape[1:]) for k in graph.inputs + graph.outputs
         if "float" in tensors[k].dtype
     )
     return kept, io

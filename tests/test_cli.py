@@ -186,7 +186,7 @@ def test_inspect_json_subprocess_names_every_layer_once(runs, files):
     assert info["batch_size"] == 4
     first = info["segments"][0]
     out = ck.plan.segments[0].outputs[0]
-    shape = list(build_graph(graphckpt.uncheckpoint(ck)).graph["tensors"][out].shape)
+    shape = list(build_graph(graphckpt.uncheckpoint(ck)).tensors[out].shape)
     assert first["boundary"][0] == {"tensor": out[0], "shape": shape, "dtype": "float32", "bytes": 4 * math.prod(shape[1:]) * 4}
     # The numbers are graphckpt.estimate's, for the file's own plan.
     memory = estimate(graphckpt.uncheckpoint(ck), ck.plan, batch_size=4)

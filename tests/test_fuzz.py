@@ -175,7 +175,7 @@ def test_calls_sharing_state_run_in_the_original_order(name):
     x = sample_inputs(model, batch=3)
     n = len(graphckpt.plan(model, segments=1).order)
     graph = build_graph(model)
-    assert len(graph.graph["state_chains"]) == chains
+    assert len(graph.state_chains) == chains
     for k in range(1, n + 1):
         validate_plan(graph, graphckpt.plan(model, segments=k))
         compare_step(model, graphckpt.checkpoint_model(model, segments=k), x)

@@ -5,7 +5,8 @@ import networkx as nx
 import numpy as np
 from keras import layers
 
-from graphckpt.graph import build_graph, kept_whole_note
+from graphckpt.graph import build_graph, dependencies, kept_whole_note, live_tensors
+from graphckpt.layer_graph import INPUT, LayerGraph, outputs_of, state_chains_of, tensors_of
 from tests import models
 
 
@@ -22,7 +23,7 @@ def test_chain_is_a_path_with_shapes():
     first = next(n for n in _layer_nodes(g) if g.nodes[n]["layer"] is model.layers[1])
     (pred,) = g.predecessors(first)
     (key,) = g.edges[pred, first]["tensors"]
-    info = g.graph["tensors"][key]
+    info = g.tensors[key]
     assert info.shape == (None, 16) and info.dtype == "float32" and info.nbytes == 64
 
 
@@ -32,7 +33,7 @@ def test_shared_layer_gives_one_node_per_call():
     shared = model.get_layer("shared")
     calls = [n for n in _layer_nodes(g) if g.nodes[n]["layer"] is shared]
     assert sorted(calls) == [("shared", 0), ("shared", 1), ("shared", 2)]
-    assert len(g.graph["inputs"]) == 2 and len(g.graph["outputs"]) == 2
+    assert len(g.inputs) == 2 and len(g.outputs) == 2
 
 
 def test_nested_models_are_flattened_into_their_calls():
@@ -54,7 +55,7 @@ def test_nested_models_are_flattened_into_their_calls():
         assert any(g.nodes[na]["layer"] is layer for layer in block.layers)
     # The inner calls read the outer tensors the block was called on.
     first = next(n for n in g.nodes if n[0] == names[1])
-    assert [g.graph["tensors"][k].producer[0] for k in g.nodes[first]["in_keys"]] == [names[0]]
+    assert [g.tensors[k].producer[0] for k in g.nodes[first]["in_keys"]] == [names[0]]
     assert nx.is_directed_acyclic_graph(g)
 
 
@@ -97,7 +98,7 @@ def test_nested_calls_that_cannot_be_replayed_call_by_call_stay_whole():
     assert sorted(_whole(g)) == ["cast", "custom", "passing", "two"]
     assert any(n[0].startswith("plain/") for n in g.nodes)
     # Each is named with its reason, for the warnings (kept_whole_note).
-    why = g.graph["kept_whole"]
+    why = g.kept_whole
     assert sorted(why) == ["cast", "custom", "passing", "two"]
     assert "'dense" in why["two"] and "nothing outside it reads" in why["two"]
     assert "Custom" in why["custom"] and "dtype" in why["cast"] and "inputs" in why["passing"]
@@ -183,5 +184,61 @@ def test_sequential_graph_and_multi_output_layer():
     out = layers.Add()([layers.Dense(2)(a), layers.Dense(2)(b)])
     g = build_graph(keras.Model(inp, out))
     split = next(n for n in g.nodes if g.nodes[n]["class_name"] == "Lambda")
-    assert {k[2] for k in g.graph["tensors"] if k[:2] == split} == {0, 1}
+    assert {k[2] for k in g.tensors if k[:2] == split} == {0, 1}
     assert g.out_degree(split) == 2
+
+
+def test_the_graph_is_a_layer_graph_with_typed_fields():
+    g = build_graph(models.multi_io())
+    assert isinstance(g, LayerGraph)
+    assert g.name == g.graph["name"] and isinstance(g.name, str)
+    assert set(g.inputs) | set(g.outputs) <= set(g.tensors)
+    assert dict(g.kept_whole) == {} and dict(g.not_opened) == {} and g.kept_closed == ()
+    assert not g.open_layers and not g.at_known_shapes and not g.shapes_resolved
+    assert {d["kind"] for _, d in g.nodes(data=True) if d["kind"] == INPUT} == {INPUT}
+    # A copy and a subgraph view are LayerGraphs with the same fields.
+    for other in (g.copy(), g.subgraph(list(g.nodes)[:3])):
+        assert isinstance(other, LayerGraph) and other.tensors is g.tensors and other.outputs == g.outputs
+    sized = g.with_tensors(dict(g.tensors))
+    assert sized.shapes_resolved and not g.shapes_resolved and sized.tensors == g.tensors
+    g.mark_shapes_resolved()
+    assert g.shapes_resolved
+    try:
+        g.tensors = {}
+    except AttributeError:
+        pass
+    else:
+        raise AssertionError("fields are read-only")
+    try:
+        g.set_fields(shapes=())
+    except TypeError as e:
+        assert "shapes" in str(e)
+    else:
+        raise AssertionError("an unknown field is refused")
+    # The planner's accessors read a plain DiGraph with the same keys too.
+    plain = nx.DiGraph()
+    plain.graph.update(tensors=g.tensors, outputs=g.outputs)
+    for graph in (g, plain):
+        assert tensors_of(graph) is g.tensors and outputs_of(graph) == g.outputs
+    assert state_chains_of(plain) == () and state_chains_of(g) == g.state_chains
+
+
+def test_liveness_of_a_graph_and_of_its_model_agree():
+    # `passing` is kept whole (its second input only reaches an output
+    # nothing reads): the BatchNormalization call feeding it is not live.
+    inp = keras.Input((4,))
+    a = layers.Dense(4, name="a")(inp)
+    pi, pj = keras.Input((4,)), keras.Input((4,))
+    passing = keras.Model([pi, pj], [layers.Dense(4, name="inner")(pi), pj], name="passing")
+    d, _ = passing([a, layers.BatchNormalization(name="bn")(a)])
+    model = keras.Model(inp, layers.Dense(2, name="out")(d))
+    g = build_graph(model)
+    assert list(g.kept_whole) == ["passing"]
+    live = live_tensors(g)
+    assert {k[0] for k in g.tensors} - {k[0] for k in live} == {"bn"}
+    # The same walk over the model's own nodes finds the same tensors.
+    tensors, variables = dependencies(model)
+    by_key = {k: g.nodes[info.producer]["node"].outputs[k[2]] for k, info in g.tensors.items()}
+    assert {k for k, t in by_key.items() if id(t) in tensors} == live
+    read = [model.get_layer("a"), passing.get_layer("inner"), model.get_layer("out")]
+    assert {id(v) for v in variables} == {id(v) for layer in read for v in layer.variables}

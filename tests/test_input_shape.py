@@ -90,15 +90,15 @@ def test_propagated_shapes_are_those_of_a_real_forward_pass(build, shape):
     assert batch == shape[0]
     # A functional model over every tensor of the graph: the same layer
     # calls, run on real data.
-    keys = [k for k in graph.graph["tensors"] if k not in graph.graph["inputs"]]
-    producers = {k: graph.nodes[graph.graph["tensors"][k].producer]["node"].outputs[k[2]] for k in keys}
+    keys = [k for k in graph.tensors if k not in graph.inputs]
+    producers = {k: graph.nodes[graph.tensors[k].producer]["node"].outputs[k[2]] for k in keys}
     probe = keras.Model(model.input, [producers[k] for k in keys])
     x = tokens(*shape) if build is text_model else np.zeros(shape, "float32")
     real = probe(x)
     for key, value in zip(keys, real):
-        assert sized.graph["tensors"][key].shape == tuple(to_numpy(value).shape), key
+        assert sized.tensors[key].shape == tuple(to_numpy(value).shape), key
     # Keras itself knows only the symbolic shapes.
-    assert any(None in graph.graph["tensors"][k].shape[1:] for k in keys)
+    assert any(None in graph.tensors[k].shape[1:] for k in keys)
 
 
 @pytest.mark.backends
@@ -161,9 +161,9 @@ def test_planned_gives_the_plan_with_the_graphs_it_was_made_on():
     result = planned(model, input_shape=(8, 128))
     assert result.plan == graphckpt.plan(model, input_shape=(8, 128))
     assert result.unchanged is None
-    hidden = [k for k, info in result.graph.graph["tensors"].items() if len(info.shape) == 3]
-    assert hidden and all(result.graph.graph["tensors"][k].shape[1] is None for k in hidden)
-    assert all(result.sized_graph.graph["tensors"][k].shape[:2] == (8, 128) for k in hidden)
+    hidden = [k for k, info in result.graph.tensors.items() if len(info.shape) == 3]
+    assert hidden and all(result.graph.tensors[k].shape[1] is None for k in hidden)
+    assert all(result.sized_graph.tensors[k].shape[:2] == (8, 128) for k in hidden)
     with pytest.warns(UserWarning, match="checkpoints nothing"):
         planned(model, input_shape=(8, 128), budget="1TiB").warn_if_unchanged(model.name)
 
@@ -435,6 +435,6 @@ def test_gpt2_backbone_plans_and_trains_exactly_at_real_shapes():
     short = graphckpt.estimate(model, input_shape={"token_ids": (2, 8), "padding_mask": (2, 8)})
     assert real.baseline_peak_bytes > 2 * short.baseline_peak_bytes
     sized, _ = sized_graph(build_graph(model), shape)
-    assert [sized.graph["tensors"][k].shape for k in sized.graph["outputs"]] == [(2, 64, 32)]
+    assert [sized.tensors[k].shape for k in sized.outputs] == [(2, 64, 32)]
     x = {"token_ids": tokens(2, 64), "padding_mask": np.ones((2, 64), "int32")}
     compare_step(model, ck, x)

@@ -344,7 +344,7 @@ def test_a_decoder_called_with_a_mask_is_cut_inside_and_trains_like_plain_fit():
     keras.utils.set_random_seed(0)
     model = translation_transformer()
     decoder = model.get_layer("decoder")
-    assert build_graph(model).graph["kept_whole"] == {}
+    assert build_graph(model).kept_whole == {}
     x, y = _translation_data(32)
 
     def compile_kwargs():
@@ -435,7 +435,7 @@ def test_a_nested_call_is_cut_inside_only_where_its_masks_are_those_its_inputs_c
     what the inputs carry then, and `second` is cut inside like `first`."""
     keras.utils.set_random_seed(0)
     model = two_decoders_on_one_masked_tensor()
-    whole = build_graph(model).graph["kept_whole"]
+    whole = build_graph(model).kept_whole
     recorded = keras_compat.inbound_nodes(model.get_layer("second"))[-1].arguments.kwargs.get("mask")
     if recorded is not None:
         assert whole == {"second": "it is called with a mask that its input may not carry then"}

@@ -118,8 +118,8 @@ class BranchesOnTraining(layers.Layer):
 def test_a_block_that_cannot_be_opened_exactly_stays_one_call_and_says_why(block, why):
     model = blocks_model(n=2, block=block)
     graph = build_graph(model, open_layers=True)
-    assert len(graph.graph["not_opened"]) == 2
-    assert all(why in reason for reason in graph.graph["not_opened"].values())
+    assert len(graph.not_opened) == 2
+    assert all(why in reason for reason in graph.not_opened.values())
     ck = graphckpt.checkpoint_model(model, segments=2, open_layers=True)
     compare_step(model, ck, _x())
 
@@ -146,7 +146,7 @@ def test_mixed_precision_blocks_open_and_train_exactly():
     # The blocks open (their inputs are cast to bfloat16 first, as
     # `Layer.__call__` does); Keras 3.16's MultiHeadAttention calls the
     # backend's functions, which no trace records, and stays one call there.
-    closed = build_graph(model, open_layers=True).graph["not_opened"]
+    closed = build_graph(model, open_layers=True).not_opened
     assert not [path for path in closed if "/" not in path]
     # Each opened block computes what the block does to float32 rounding
     # (`graphckpt.opening._verify`, outputs and gradients). Across the
@@ -296,7 +296,7 @@ def test_save_projections_keeps_the_projections_and_recomputes_the_attention_cor
     and the attention core's ops (scores, softmax, dropout, weighted sum)
     are in recomputed segments; the model trains exactly."""
     model = blocks_model(n=2)
-    closed = build_graph(model, open_layers=True).graph["not_opened"]
+    closed = build_graph(model, open_layers=True).not_opened
     if closed:  # Keras 3.16's MultiHeadAttention calls backend functions, which no trace records
         pytest.skip(f"this Keras's MultiHeadAttention stays whole: {next(iter(closed.values()))}")
     ck = graphckpt.checkpoint_model(model, policy="save_projections", open_layers=True)

@@ -7,14 +7,15 @@ import re
 import warnings
 
 from graphckpt import errors
+from graphckpt.layer_graph import INPUT
 
 
 def _tensor_name(key, names, graph):
     """A tensor by its producing call's name, with `[i]` when that call
     produces several tensors."""
     _, _, index = key
-    producer = graph.graph["tensors"][key].producer
-    n_out = sum(1 for info in graph.graph["tensors"].values() if info.producer == producer)
+    producer = graph.tensors[key].producer
+    n_out = sum(1 for info in graph.tensors.values() if info.producer == producer)
     return f"{names[producer]}[{index}]" if n_out > 1 else names[producer]
 
 
@@ -50,7 +51,7 @@ def describe(model, graph, plan, batch_size=None):
     from graphckpt.graph import call_names
 
     names = call_names(graph)
-    tensors = graph.graph["tensors"]
+    tensors = graph.tensors
     memory = estimate(model, plan, batch_size=batch_size, graph=graph)
     batch = memory.batch_size or 1
     seen, segments = set(), []
@@ -94,7 +95,7 @@ def describe(model, graph, plan, batch_size=None):
                 "peak_bytes": peak.peak_bytes,
             }
         )
-    outside = [n[0] for n, d in graph.nodes(data=True) if d["kind"] == "input" and n[0] not in seen]
+    outside = [n[0] for n, d in graph.nodes(data=True) if d["kind"] == INPUT and n[0] not in seen]
     num_segments, num_recomputed = segment_counts(plan)
     return {
         "model": model.name,
@@ -107,7 +108,7 @@ def describe(model, graph, plan, batch_size=None):
         "bytes_are": f"for a batch of {memory.batch_size}" if memory.batch_size else "per example",
         "segments": segments,
         "outside": outside,
-        "kept_whole": dict(graph.graph.get("kept_whole") or {}),
+        "kept_whole": dict(graph.kept_whole),
         "totals": {
             "baseline_bytes": memory.baseline_peak_bytes,
             "plan_bytes": memory.peak_bytes,
@@ -142,7 +143,7 @@ def to_dot(info, graph):
         lines.extend(f"    {json.dumps(call)};" for call in seg["calls"])
         lines.append("  }")
     for u, v, data in graph.edges(data=True):
-        shapes = ", ".join(str(tuple(graph.graph["tensors"][t].shape)) for t in data["tensors"])
+        shapes = ", ".join(str(tuple(graph.tensors[t].shape)) for t in data["tensors"])
         lines.append(f"  {node_id(u)} -> {node_id(v)} [label={json.dumps(shapes)}, fontsize=8];")
     lines.append("}")
     return "\n".join(lines)

@@ -1,10 +1,12 @@
 """The pure planner: where to cut a layer-call graph into segments.
 
 Contract:
-- Input: a `networkx.DiGraph` shaped like `graphckpt.graph.build_graph`'s
-  output. Only node attributes `kind` and `position`, edge attribute
-  `tensors`, and `graph.graph["tensors"]` (each with `producer` and
-  `nbytes`) / `["outputs"]` are read. Nothing here imports Keras.
+- Input: a `graphckpt.layer_graph.LayerGraph` (`build_graph`'s output), or
+  any `networkx.DiGraph` with the same attributes. Only node attributes
+  `kind` and `position`, edge attribute `tensors`, and the graph's
+  `tensors` (each with `producer` and `nbytes`), `outputs` and
+  `state_chains`, read through `graphckpt.layer_graph`'s accessors
+  (`tensors_of(graph)`, ...), are read. Nothing here imports Keras.
 - Output: an immutable `Plan`. Its segments are contiguous runs of one
   topological order that cover every layer call exactly once; a segment's
   `inputs` are the tensors made before it and used inside it, its `outputs`

@@ -4,6 +4,7 @@ This module never imports Keras."""
 
 import dataclasses
 
+from graphckpt.layer_graph import tensors_of
 from graphckpt.planner.data import layer_nodes
 
 __all__ = ["NodeCosts", "SegmentPeak", "graph_costs"]
@@ -103,7 +104,7 @@ def graph_costs(graph):
 
     What `plan_segments` plans with when no estimate of the layers is at
     hand (`graphckpt.estimator.node_costs` knows more about each layer)."""
-    tensors = graph.graph["tensors"]
+    tensors = tensors_of(graph)
     calls = layer_nodes(graph)
     return NodeCosts(
         tensor_bytes={k: info.nbytes for k, info in tensors.items()},

@@ -12,6 +12,8 @@ import dataclasses
 
 import networkx as nx
 
+from graphckpt.layer_graph import INPUT, outputs_of, state_chains_of, tensors_of
+
 __all__ = ["PlannedSegment", "Plan", "topological_order", "plan_from_boundaries", "validate_plan", "format_bytes"]
 
 
@@ -211,7 +213,7 @@ def _name(node):
 
 
 def layer_nodes(graph):
-    return [n for n, d in graph.nodes(data=True) if d["kind"] != "input"]
+    return [n for n, d in graph.nodes(data=True) if d["kind"] != INPUT]
 
 
 def topological_order(graph):
@@ -222,18 +224,18 @@ def topological_order(graph):
     branches (auxiliary heads, early outputs) soon after their input is made,
     so fewer tensors cross later cuts.
 
-    Calls in one of `graph.graph["state_chains"]` keep their relative order:
+    Calls in one of `state_chains_of(graph)` keep their relative order:
     each reads the state (BatchNormalization statistics, a seed generator)
     the call before it updated, so reordering them changes the results.
     """
     constrained = nx.DiGraph(graph.edges)
     constrained.add_nodes_from(graph)
-    for chain in graph.graph.get("state_chains", ()):
+    for chain in state_chains_of(graph):
         constrained.add_edges_from(zip(chain, chain[1:]))
     order = []
     for generation in nx.topological_generations(constrained):
         generation = sorted(generation, key=lambda n: graph.nodes[n]["position"])
-        order.extend(n for n in generation if graph.nodes[n]["kind"] != "input")
+        order.extend(n for n in generation if graph.nodes[n]["kind"] != INPUT)
     return tuple(order)
 
 
@@ -270,8 +272,8 @@ def plan_from_boundaries(graph, order, boundaries, strategy="fixed", remat=None,
         return _two_level(graph, order, boundaries, strategy, remat, list(inner))
     bounds = list(boundaries) + [len(order)]
     consumers = tensor_consumers(graph)
-    tensors = graph.graph["tensors"]
-    model_outputs = set(graph.graph["outputs"])
+    tensors = tensors_of(graph)
+    model_outputs = set(outputs_of(graph))
     segment_of = {}
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         for node in order[a:b]:
@@ -335,7 +337,7 @@ def validate_plan(graph, plan):
     for u, v in graph.edges:
         if u in pos:
             assert pos[u] < pos[v], f"order: {u} after {v}"
-    for chain in graph.graph.get("state_chains", ()):
+    for chain in state_chains_of(graph):
         assert [pos[n] for n in chain] == sorted(pos[n] for n in chain), f"state order: {chain}"
     _check_ends(graph, plan.segments)
     for seg in plan.segments:
@@ -348,9 +350,9 @@ def validate_plan(graph, plan):
 
 def _check_ends(graph, segments):
     """Each segment's inputs and outputs are the tensors that cross it."""
-    tensors = graph.graph["tensors"]
+    tensors = tensors_of(graph)
     consumers = tensor_consumers(graph)
-    outputs = set(graph.graph["outputs"])
+    outputs = set(outputs_of(graph))
     for seg in segments:
         inside = set(seg.nodes)
         want_in = {

@@ -9,6 +9,7 @@ and `segment_peaks` / `estimated_peak` / `baseline_peak` read every
 segment's peak in O(1). This module never imports Keras; it uses numpy.
 """
 
+from graphckpt.layer_graph import outputs_of, tensors_of
 from graphckpt.planner.costs import NodeCosts, SegmentPeak, graph_costs
 from graphckpt.planner.data import tensor_consumers, topological_order
 
@@ -85,7 +86,7 @@ class MemoryModel:
         n = self.n
         pos = {v: i for i, v in enumerate(order)}
         consumers = tensor_consumers(graph)
-        model_outputs = set(graph.graph["outputs"])
+        model_outputs = set(outputs_of(graph))
         # produced[p][last_use] bytes; first_use/last_use of tensors made before
         made = np.zeros((n + 1, n + 2))  # [producer position, last use]
         unsaved = np.zeros((n + 1, n + 2))
@@ -98,7 +99,7 @@ class MemoryModel:
         # where something is freed.
         step_kept = np.array([costs.internal.get(v, 0) + costs.forward_temp.get(v, 0) for v in order], dtype=float)
         step_remat = step_kept.copy()
-        for key, info in graph.graph["tensors"].items():
+        for key, info in tensors_of(graph).items():
             uses = sorted({pos[c] for c in consumers.get(key, ()) if c in pos})
             nbytes = costs.tensor_bytes.get(key, 0)
             p = pos.get(info.producer, -1)  # -1: a model input
