@@ -194,7 +194,7 @@ def _training_call(model, twin, traced=None):
         if takes_training and not kwargs.get("training"):
             return own_call(*args, **kwargs)
         if traced is not None and (len(args) != 1 or any(v is not None for k, v in kwargs.items() if k != "training")):
-            _warn_untraced_call(model, kwargs)
+            tracing.warn_untraced_call(model, kwargs)
             return own_call(*args, **kwargs)
         for seg in twin.segments:
             keras_compat.clear_losses(seg)
@@ -215,16 +215,6 @@ def _training_call(model, twin, traced=None):
         return outputs
 
     return call
-
-
-def _warn_untraced_call(model, kwargs):
-    given = sorted(k for k, v in kwargs.items() if k != "training" and v is not None)
-    warnings.warn(
-        f"Model '{model.name}': a training call with arguments its traced `call` was not made for "
-        f"({', '.join(given) or 'more than one positional input'}) runs without gradient checkpointing.",
-        errors.GraphckptWarning,
-        stacklevel=3,
-    )
 
 
 def _check_own_call(model):

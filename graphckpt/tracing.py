@@ -32,6 +32,7 @@ outputs, handed back to the model by the caller (`Traced.split`).
 import inspect
 import os
 import traceback
+import warnings
 from typing import NamedTuple
 
 import keras
@@ -39,7 +40,7 @@ from keras import tree
 
 from graphckpt import errors, keras_compat, opening
 
-__all__ = ["Traced", "trace_model", "is_subclassed", "nested_models"]
+__all__ = ["Traced", "trace_model", "is_subclassed", "nested_models", "warn_untraced_call"]
 
 _CACHE_ATTR = "_graphckpt_traced"  # on the model: {signature: Traced}
 
@@ -89,6 +90,19 @@ def trace_model(model, batch):
         with opening.random_state_kept():
             cache[key] = _trace_and_check(model, batch)
     return cache[key]
+
+
+def warn_untraced_call(model, kwargs):
+    """Warns that a training call of `model` with arguments besides its
+    inputs and `training` (`kwargs`), which its trace was not made for,
+    runs its own `call`, without checkpointing."""
+    given = sorted(k for k, v in kwargs.items() if k != "training" and v is not None)
+    warnings.warn(
+        f"Model '{model.name}': a training call with arguments its traced `call` was not made for "
+        f"({', '.join(given) or 'more than one positional input'}) runs without gradient checkpointing.",
+        errors.GraphckptWarning,
+        stacklevel=4,
+    )
 
 
 def _refuse(model, what, tip):

@@ -253,3 +253,18 @@ def test_mixed_precision_trains_as_plain_fit(installed):
     np.testing.assert_allclose(losses, plain_losses, rtol=rtol)
     for a, b in zip(model.weights, plain.weights):
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=rtol, atol=atol, err_msg=a.path)
+
+
+def test_a_training_call_with_a_mask_runs_the_models_own_call_with_a_warning(installed):
+    from graphckpt.fit_flag import _training_call
+
+    model, _ = _fit("tagger", gradient_checkpointing=True)
+    (traced,) = model.__dict__["_graphckpt_traced"].values()
+    routed = _training_call(model, _twin(model), traced)
+    x, mask = PADDED[:8], (RNG.uniform(size=(8, 10)) < 0.5)
+    seeds = [to_numpy(v) for v in model.non_trainable_variables]  # the noise layer's seed state
+    with pytest.warns(graphckpt.GraphckptWarning, match=r"\(mask\) runs without gradient checkpointing"):
+        got = routed(x, training=True, mask=mask)
+    for v, value in zip(model.non_trainable_variables, seeds):
+        v.assign(value)
+    np.testing.assert_array_equal(to_numpy(got), to_numpy(model.call(x, training=True, mask=mask)))
