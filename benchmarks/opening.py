@@ -81,16 +81,35 @@ def main(argv=None):
     if args.family == "gpt2":
         shape = {"token_ids": (args.batch_size, args.seq_len), "padding_mask": (args.batch_size, args.seq_len)}
         builder, methods, extra = f"{HUB}:gpt2_backbone", _gpt2_methods(shape), {"input_shape": shape, "timeout": 1800}
+    runs = alternate(
+        methods,
+        args.rounds,
+        lambda name, method: measure(builder, batch_size=args.batch_size, builder_kwargs=kwargs, label=name, **extra,
+                                     **method),
+    )
+    summarize(runs, args)
+
+
+def alternate(methods, rounds, measure_one):
+    """`{name: [(peak bytes, step time, CPU time), ...]}`: `rounds` rounds of
+    `measure_one(name, method)` over `methods` in turn (a fresh process
+    each), failures printed and left out."""
     runs = {name: [] for name in methods}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, method in methods.items():
-            m = measure(builder, batch_size=args.batch_size, builder_kwargs=kwargs, label=name, **extra, **method)
+            m = measure_one(name, method)
             if not m.ok:
                 print(f"{name}: FAILED {m.error[:300]}", flush=True)
                 continue
             print(f"  {name:28s} peak {m.peak_bytes / 2**20:8.1f} MiB  step {m.step_time_s:.2f} s  cpu {m.step_cpu_s:.2f} s",
                   flush=True)
             runs[name].append((m.peak_bytes, m.step_time_s, m.step_cpu_s))
+    return runs
+
+
+def summarize(runs, args):
+    """Prints each method's medians as ratios to the baseline's, and writes
+    them as JSON to `args.out` if given."""
     base_peak, base_time, base_cpu = (statistics.median(r[i] for r in runs["baseline"]) for i in range(3))
     rows = []
     for name, values in runs.items():
@@ -98,12 +117,11 @@ def main(argv=None):
             continue
         peak, time, cpu = (statistics.median(r[i] for r in values) for i in range(3))
         rows.append({"method": name, "peak_MiB": peak / 2**20, "peak_x": peak / base_peak, "time_x": time / base_time,
-                     "cpu_x": cpu / base_cpu})
+                     "cpu_x": cpu / base_cpu, "rounds": len(values)})
         print(f"{name:28s} peak {peak / 2**20:8.1f} MiB  x{peak / base_peak:.3f}   step time x{time / base_time:.2f}"
               f"   CPU x{cpu / base_cpu:.2f}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -14,9 +14,7 @@ training through the twin) and leaves it on, so that the measuring child's
 """
 
 import argparse
-import json
 import pathlib
-import statistics
 
 from graphckpt.measure import measure
 
@@ -70,34 +68,17 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     methods = {name: METHODS[name] for name in args.methods.split(",")}
-    runs = {name: [] for name in methods}
-    for _ in range(args.rounds):
-        for name, method in methods.items():
-            method = dict(method)
-            if method["method"] != "baseline":
-                method["method_kwargs"] = dict(method.get("method_kwargs", {}), batch_size=args.batch_size,
-                                               seq_len=args.seq_len)
-            m = measure(f"{MODELS}:gpt", batch_size=args.batch_size, builder_kwargs={"seq_len": args.seq_len},
-                        data=f"{HERE}:data", label=name, **method)
-            if not m.ok:
-                print(f"{name}: FAILED {m.error[:300]}", flush=True)
-                continue
-            print(f"  {name:24s} peak {m.peak_bytes / 2**20:8.1f} MiB  step {m.step_time_s:.2f} s  "
-                  f"cpu {m.step_cpu_s:.2f} s", flush=True)
-            runs[name].append((m.peak_bytes, m.step_time_s, m.step_cpu_s))
-    base_peak, base_time, base_cpu = (statistics.median(r[i] for r in runs["baseline"]) for i in range(3))
-    rows = []
-    for name, values in runs.items():
-        if not values:
-            continue
-        peak, time, cpu = (statistics.median(r[i] for r in values) for i in range(3))
-        rows.append({"method": name, "peak_MiB": peak / 2**20, "peak_x": peak / base_peak, "time_x": time / base_time,
-                     "cpu_x": cpu / base_cpu, "rounds": len(values)})
-        print(f"{name:24s} peak {peak / 2**20:8.1f} MiB  x{peak / base_peak:.3f}   step time x{time / base_time:.2f}"
-              f"   CPU x{cpu / base_cpu:.2f}")
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    from opening import alternate, summarize  # this script's folder is on the path
 
+    def measure_one(name, method):
+        method = dict(method)
+        if method["method"] != "baseline":
+            method["method_kwargs"] = dict(method.get("method_kwargs", {}), batch_size=args.batch_size,
+                                           seq_len=args.seq_len)
+        return measure(f"{MODELS}:gpt", batch_size=args.batch_size, builder_kwargs={"seq_len": args.seq_len},
+                       data=f"{HERE}:data", label=name, **method)
+
+    summarize(alternate(methods, args.rounds, measure_one), args)
 
 if __name__ == "__main__":
     main()
