@@ -268,3 +268,20 @@ def test_a_training_call_with_a_mask_runs_the_models_own_call_with_a_warning(ins
     for v, value in zip(model.non_trainable_variables, seeds):
         v.assign(value)
     np.testing.assert_array_equal(to_numpy(got), to_numpy(model.call(x, training=True, mask=mask)))
+
+
+def test_data_of_another_sequence_length_gets_its_own_trace_and_twin(installed):
+    build, (x, y), loss = CASES["gpt"]
+    histories = []
+    for flag in ({}, {"gradient_checkpointing": 2}):  # the same cuts at both lengths
+        keras.utils.set_random_seed(5)
+        model = build()
+        model.compile(optimizer="sgd", loss=loss)
+        keras.utils.set_random_seed(11)
+        history = [model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, **flag).history["loss"]]
+        history.append(model.fit(x[:, :16], y[:, :16], batch_size=8, epochs=1, shuffle=False, verbose=0, **flag)
+                       .history["loss"])
+        histories.append(history)
+    tolerance = 2e-6 if BACKEND == "jax" else 0.0
+    np.testing.assert_allclose(histories[1], histories[0], rtol=tolerance)
+    assert len(model.__dict__["_graphckpt_traced"]) == 2 and len(model.__dict__[_CACHE_ATTR].twins) == 2
