@@ -81,14 +81,14 @@ class _Subclassed(keras.Model):
         return self.b(self.a(x))
 
 
-def test_subclassed_model_suggests_keras_remat():
+def test_subclassed_model_points_to_the_fit_flag():
     model = _Subclassed()
     model(_x())  # built: it has weights, but no layer graph
     err = _raises(model, graphckpt.UnsupportedModelError, "subclassed", x=_x())
     assert isinstance(err, ValueError)
     message = str(err)
     assert "my_subclassed" in message and "_Subclassed" in message  # what was received
-    assert "keras.remat" in message and "call" in message  # what to do
+    assert "gradient_checkpointing=True" in message and "install()" in message  # what to do
     assert "functional" in message
 
 

@@ -454,3 +454,34 @@ def test_a_verbose_flagged_fit_says_what_it_planned(installed, capsys):
     assert f"(x{expected.estimated_peak_bytes / expected.baseline_peak_bytes:.2f})" in line
     model.fit(X, Y, batch_size=8, epochs=1, verbose=0, gradient_checkpointing=True)
     assert "graphckpt:" not in capsys.readouterr().out
+
+
+@pytest.mark.backends
+def test_float16_attention_model_trains_as_plain_fit(installed):
+    """Planning and rewriting run layers symbolically; under float16 on
+    PyTorch's CPU some symbolic calls run on real tensors and draw from
+    torch's global generator. The flag keeps that state, so training draws
+    the same Dropout masks as plain fit."""
+    from tests.subclassed_models import Block
+
+    def build():
+        keras.utils.set_random_seed(5)
+        inp = keras.Input((16,), dtype="int32")
+        x = layers.Embedding(50, 16)(inp)
+        for _ in range(3):
+            x = Block(16, 2, 32)(x)
+        return keras.Model(inp, layers.Dense(50, dtype="float32")(x))
+
+    tokens = np.random.default_rng(0).integers(0, 50, size=(16, 16))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        (plain, h0), (model, h1) = fit_twice(
+            build, dict(x=tokens, y=tokens, batch_size=8, epochs=2, shuffle=False, verbose=0),
+            {"optimizer": "sgd", "loss": loss}, flag=2,
+        )
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    rtol = 2e-3 if keras.backend.backend() == "jax" else 0.0  # JAX: one float16 ulp where XLA fuses otherwise
+    np.testing.assert_allclose(h1.history["loss"], h0.history["loss"], rtol=rtol)
+    assert segments_of(model)
