@@ -224,7 +224,7 @@ def _check_own_call(model):
 
     functional = keras_compat.is_functional(model) or isinstance(model, keras.Sequential)
     overrides = api.overridden_methods(model, ("call",)) if functional else []
-    if overrides:  # (a model that is not functional gets `checkpoint_model`'s error)
+    if overrides:  # (a subclassed model's `call` is traced instead: `tracing`)
         raise errors.UnsupportedModelError(
             f"Model '{model.name}' of class {type(model).__name__} overrides {overrides[0]}. "
             "`fit(gradient_checkpointing=...)` recomputes the model's layer graph, so your `call` "
@@ -357,8 +357,9 @@ def fit(model, *args, gradient_checkpointing=True, budget=None, open_layers=Fals
     callbacks and `History`; the plan is made for the shapes of the data.
 
     Args:
-        model: a compiled functional `keras.Model` or `keras.Sequential`
-            (keras_hub task models included).
+        model: a compiled `keras.Model`: functional, a `keras.Sequential`
+            (keras_hub task models included), or a subclass whose `call`
+            is traced on the data (see `graphckpt.tracing`).
         *args: `fit`'s positional arguments (`x`, `y`, ...).
         gradient_checkpointing: True or "auto" (default), "sqrt", or an int
             number of segments; False or None: plain `fit`.
