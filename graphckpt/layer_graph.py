@@ -17,11 +17,10 @@ import types
 
 import networkx as nx
 
-__all__ = ["INPUT", "LAYER", "KINDS", "LayerGraph", "TensorInfo", "outputs_of", "state_chains_of", "tensors_of"]
+__all__ = ["INPUT", "LAYER", "LayerGraph", "TensorInfo", "outputs_of", "state_chains_of", "tensors_of"]
 
 INPUT = "input"
 LAYER = "layer"
-KINDS = (INPUT, LAYER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +86,7 @@ class LayerGraph(nx.DiGraph):
 
     def set_fields(self, **fields):
         """Sets graph-level fields by name (`build_graph`, once)."""
-        unknown = set(fields) - set(_FIELDS)
+        unknown = set(fields) - _FIELDS
         if unknown:
             raise TypeError(f"LayerGraph has no field(s) {sorted(unknown)}")
         self.graph.update(fields)
@@ -105,16 +104,5 @@ class LayerGraph(nx.DiGraph):
         return copy
 
 
-_FIELDS = (
-    "tensors",
-    "outputs",
-    "state_chains",
-    "inputs",
-    "name",
-    "kept_whole",
-    "not_opened",
-    "open_layers",
-    "kept_closed",
-    "at_known_shapes",
-    "shapes_resolved",
-)
+# The fields are the class's properties: one list, which `set_fields` checks against.
+_FIELDS = frozenset(name for name, value in vars(LayerGraph).items() if isinstance(value, property))

@@ -285,3 +285,19 @@ def test_data_of_another_sequence_length_gets_its_own_trace_and_twin(installed):
     tolerance = 2e-6 if BACKEND == "jax" else 0.0
     np.testing.assert_allclose(histories[1], histories[0], rtol=tolerance)
     assert len(model.__dict__["_graphckpt_traced"]) == 2 and len(model.__dict__[_CACHE_ATTR].twins) == 2
+
+
+def test_data_it_cannot_read_without_consuming_is_refused_with_what_to_do(installed):
+    model = sm.Tagger(name="tagger_on_a_generator")
+    model.compile(optimizer="sgd", loss=SCE)
+
+    def batches():
+        while True:
+            yield PADDED[:8], TAGS[:8]
+
+    with pytest.raises(graphckpt.UnsupportedModelError) as info:
+        model.fit(batches(), steps_per_epoch=1, epochs=1, verbose=0, gradient_checkpointing=True)
+    message = str(info.value)
+    assert "'tagger_on_a_generator' is subclassed" in message and "generator" in message
+    assert "arrays or a `tf.data.Dataset`" in message and "Tip:" in message
+    assert not model.built and "call" not in model.__dict__
