@@ -5,15 +5,15 @@ BatchNormalization or a ReLU costs almost nothing next to a convolution; on
 a CPU those are bound by memory traffic and take a real share of the step.
 This script times the forward pass of every distinct layer call of the
 benchmark families on its own (TensorFlow graph mode, `training=True`, the
-family's batch), and fits, per kind of call (`graphckpt.cost_model.kind_of`):
+family's batch), and fits, per kind of call (`graphckpt.estimator.cost_model.kind_of`):
 
     seconds = flops * seconds_per_flop[kind] + overhead      (matmul-like)
     seconds = bytes * seconds_per_byte[class] + overhead     (the others)
 
 (matmul-like kinds by FLOPs, every other layer class by the bytes it reads
-and writes; `graphckpt.cost_model`) by least squares on relative errors,
+and writes; `graphckpt.estimator.cost_model`) by least squares on relative errors,
 all terms non-negative. It writes the
-fit to `graphckpt/data/cpu_costs.json`, the data the estimator prices
+fit to `graphckpt/estimator/data/cpu_costs.json`, the data the estimator prices
 recompute with, and prints how well FLOPs alone and the fitted model rank
 the calls' measured times.
 
@@ -103,9 +103,9 @@ def probe(families, repeats):
     """Rows `{family, call, class, kind, flops, bytes, seconds}`, one per
     distinct call (same class, rule and shapes)."""
     import families as builders
-    from graphckpt import cost_model
-    from graphckpt.estimator import call_estimates
-    from graphckpt.graph import build_graph
+    from graphckpt.estimator import cost_model
+    from graphckpt.estimator.peak import call_estimates
+    from graphckpt.graph.build import build_graph
     from graphckpt.planner.data import layer_nodes
 
     rows, seen = [], set()
@@ -191,7 +191,7 @@ def _spearman(x, y):
 
 
 def report(rows, params):
-    from graphckpt import cost_model
+    from graphckpt.estimator import cost_model
 
     measured = np.array([r["seconds"] for r in rows])
     flops = np.array([r["flops"] for r in rows])
@@ -223,13 +223,13 @@ def main(argv=None):
     import keras
     import tensorflow as tf
 
-    from graphckpt import cost_model
+    from graphckpt.estimator import cost_model
 
     if args.refit:
         with open(RESULTS) as f:
             saved = json.load(f)
         rows, args.families = saved["rows"], ",".join(saved["families"])
-        for r in rows:  # the kinds of graphckpt.cost_model now
+        for r in rows:  # the kinds of graphckpt.estimator.cost_model now
             r["kind"] = r["kind"] if r["kind"] in MATMUL_KINDS else r["cls"]
     else:
         rows = probe(args.families.split(","), args.repeats)

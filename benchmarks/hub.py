@@ -84,7 +84,7 @@ def fit_flag_twin(build, seq, names=("token_ids", "padding_mask")):
     """What `fit(..., gradient_checkpointing=True)` trains in place of
     `build()`'s forward pass: its checkpointed twin, planned for the data's
     shapes (`graphckpt.fit` builds the same one), over the same layers."""
-    from graphckpt.fit_flag import _twin_for
+    from graphckpt.training.flag import _twin_for
 
     model = build()
     twin = _twin_for(model, {"input_shape": _shape(8, seq, names)})

@@ -76,9 +76,9 @@ def whole_remat(build):
 
 
 def equal_segments(build, segments="sqrt"):
-    from graphckpt.checkpointed import checkpointed_model
-    from graphckpt.graph import build_graph
+    from graphckpt.graph.build import build_graph
     from graphckpt.planner import plan_from_boundaries
+    from graphckpt.runtime.checkpointed import checkpointed_model
 
     model = build()
     graph = build_graph(model)
@@ -107,8 +107,8 @@ def graphckpt_budget(build, budget, batch_size):
     if budget in ("sqrt", "auto"):
         budget = graphckpt.plan(model, batch_size=batch_size, segments=budget).estimated_peak_bytes
     elif budget == "min":
-        from graphckpt.estimator import node_costs
-        from graphckpt.graph import build_graph
+        from graphckpt.estimator.peak import node_costs
+        from graphckpt.graph.build import build_graph
         from graphckpt.planner import smallest_peak
 
         graph = build_graph(model)

@@ -68,8 +68,8 @@ def main():
 
     import families
     import graphckpt
-    from graphckpt.estimator import node_costs
-    from graphckpt.graph import build_graph
+    from graphckpt.estimator.peak import node_costs
+    from graphckpt.graph.build import build_graph
     from graphckpt.planner import (
         BudgetInfeasible,
         MemoryModel,

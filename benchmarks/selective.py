@@ -3,7 +3,7 @@
 For each family: the baseline, the default plan, and budget plans at the
 default plan's estimated peak times 1.00, 1.05, 1.10 and 1.20. A budget plan is
 the plan of least estimated recompute *time* that fits
-(`graphckpt.cost_model`: matmul-like calls priced by FLOPs, the others by
+(`graphckpt.estimator.cost_model`: matmul-like calls priced by FLOPs, the others by
 the bytes they move, calibrated by `benchmarks/cost_probe.py`), and it
 knows that the graph runtime skips recomputing a segment's last call when
 that call's backward needs only its inputs (a convolution or Dense without

@@ -33,8 +33,8 @@ def flagged(build, batch_size=8, seq_len=512, open_layers=False, budget=None):
     checkpointed graph of its traced `call`, as the fit flag routes them."""
     import keras
 
-    from graphckpt import tracing
-    from graphckpt.fit_flag import _training_call, _twin_for
+    from graphckpt.graph import tracing
+    from graphckpt.training.flag import _training_call, _twin_for
 
     model = build()
     traced = tracing.trace_model(model, keras.KerasTensor((batch_size, seq_len), dtype="int32"))

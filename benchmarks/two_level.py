@@ -47,8 +47,8 @@ def _plan_info(fam, budget):
 
 def _floor(fam):
     import families
-    from graphckpt.estimator import node_costs
-    from graphckpt.graph import build_graph
+    from graphckpt.estimator.peak import node_costs
+    from graphckpt.graph.build import build_graph
     from graphckpt.planner import MemoryModel, smallest_peak
 
     graph = build_graph(getattr(families, fam["builder"])(**fam["kwargs"]))

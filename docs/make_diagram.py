@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from keras import layers  # noqa: E402
 
-from graphckpt.graph import build_graph  # noqa: E402
+from graphckpt.graph.build import build_graph  # noqa: E402
 from graphckpt.planner import plan_segments  # noqa: E402
 
 

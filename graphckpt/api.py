@@ -16,12 +16,12 @@ import keras
 
 from graphckpt import errors, keras_compat
 from graphckpt.budget import check_batch_size, choose_plan
-from graphckpt.checkpointed import checkpointed_model
-from graphckpt.graph import build_graph, functional_of, kept_whole_note
-from graphckpt.nesting import not_opened_note
+from graphckpt.graph.build import build_graph, functional_of, kept_whole_note
+from graphckpt.graph.nesting import not_opened_note
+from graphckpt.graph.shapes import InputShape, open_graph, sized_graph
 from graphckpt.planner import Plan
-from graphckpt.segment import Segment
-from graphckpt.shapes import InputShape, open_graph, sized_graph
+from graphckpt.runtime.checkpointed import checkpointed_model
+from graphckpt.runtime.segment import Segment
 
 __all__ = ["checkpoint_model", "plan", "planned", "Planned", "is_checkpointed"]
 
@@ -125,7 +125,7 @@ class Planned(NamedTuple):
     """A plan with the graphs it was made on (`graphckpt.api.planned`).
 
     Attributes:
-        graph: the model's layer-call graph (`graphckpt.graph.build_graph`),
+        graph: the model's layer-call graph (`graphckpt.graph.build.build_graph`),
             which the rewrite takes.
         sized_graph: the same graph with the tensor sizes the plan was
             estimated for (`input_shape` propagated).
@@ -235,7 +235,7 @@ def plan(
             `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a
             fraction of the estimated peak without checkpointing. The plan
             of least estimated recompute time that fits is chosen
-            (`graphckpt.cost_model`; on TensorFlow a segment's last calls
+            (`graphckpt.estimator.cost_model`; on TensorFlow a segment's last calls
             whose backward needs only their inputs, such as a convolution,
             are not run again): calls are recomputed only where memory
             requires it. A budget at or
@@ -263,7 +263,7 @@ def plan(
             calls only other layers and `keras.ops` (a transformer block
             written as a `keras.layers.Layer` subclass, Keras's
             `MultiHeadAttention`) is opened into those calls, where its
-            traced graph computes what it does (`graphckpt.opening`). A
+            traced graph computes what it does (`graphckpt.graph.opening`). A
             callable `open_layers(layer) -> bool` opens only the composite
             layers it says yes to (`lambda layer: not isinstance(layer,
             keras.layers.MultiHeadAttention)`). Experimental; default False.
@@ -323,7 +323,7 @@ def checkpoint_model(
             `"2GiB"`, `"2GB"` or `"1.5 GB"`, or a float in (0, 1), a
             fraction of the estimated peak without checkpointing. The plan
             of least estimated recompute time that fits is chosen
-            (`graphckpt.cost_model`; on TensorFlow a segment's last calls
+            (`graphckpt.estimator.cost_model`; on TensorFlow a segment's last calls
             whose backward needs only their inputs, such as a convolution,
             are not run again): calls are recomputed only where memory
             requires it. A budget at or

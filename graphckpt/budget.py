@@ -13,7 +13,7 @@ import numbers
 import re
 
 from graphckpt import errors, policies
-from graphckpt.estimator import node_costs, resolve_batch_size
+from graphckpt.estimator.peak import node_costs, resolve_batch_size
 from graphckpt.planner import (
     BudgetInfeasible,
     MemoryModel,

@@ -7,7 +7,7 @@ keras-nightly (`make test`). Keras is imported lazily.
 Two private methods are overridden where graphckpt's classes are defined,
 since an override cannot live here: `Functional._run_through_graph`
 (`CheckpointedModel`: `clone_model` clones through the plan) and
-`KerasSaveable._obj_type` (`graphckpt.weights`). `tests/test_structure.py`
+`KerasSaveable._obj_type` (`graphckpt.runtime.weights`). `tests/test_structure.py`
 checks that no other module reads a private name.
 """
 

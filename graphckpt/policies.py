@@ -27,7 +27,7 @@ def save_expensive(layer):
     """Keeps matmul-like calls (Dense, EinsumDense, convolutions, attention,
     recurrent layers, nested models holding any); recomputes the cheap ones
     between them (activations, normalization, dropout, pooling, elementwise)."""
-    from graphckpt.keras_rules import is_expensive
+    from graphckpt.estimator.keras_rules import is_expensive
 
     return is_expensive(layer)
 
@@ -43,7 +43,7 @@ def save_projections(layer):
     `open_layers`, an attention layer is one call, kept whole."""
     import keras
 
-    from graphckpt.keras_rules import is_expensive
+    from graphckpt.estimator.keras_rules import is_expensive
 
     return isinstance(layer, keras.layers.Layer) and is_expensive(layer)
 

@@ -336,8 +336,8 @@ def estimated_per_example(spec):
     the call's float input and output bytes), from a model of that call."""
     import keras
 
-    from graphckpt.estimator import node_costs
-    from graphckpt.graph import build_graph
+    from graphckpt.estimator.peak import node_costs
+    from graphckpt.graph.build import build_graph
 
     kind, factory, how = (*spec, "one")[:3]
     dtype = "int32" if kind == "ids" else "float32"

@@ -13,7 +13,7 @@ import pytest
 from keras import layers, ops
 
 import graphckpt
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
 from tests import models
 from tests.helpers import BACKEND, compare_step, jax_loss_fn, state_of, to_numpy
 
@@ -387,7 +387,7 @@ def test_unseeded_random_ops_need_the_global_state(monkeypatch):
     """Guard: without the global generator in the snapshot, the forward
     pass's draws would advance it only inside the segment's scope (and the
     recompute would draw again): an error, not a silent difference."""
-    monkeypatch.setattr("graphckpt.segment._global_seed_state", lambda: [])
+    monkeypatch.setattr("graphckpt.runtime.segment._global_seed_state", lambda: [])
     model = _unseeded_model()
     ck = graphckpt.checkpoint_model(model, segments=3)
     with pytest.raises(graphckpt.UnsupportedModelError, match="assigned 1 variable"):
@@ -442,7 +442,7 @@ def test_recompute_really_happens():
     TensorFlow and PyTorch (eager): the segment's Python function is called
     once in the forward pass and once more during backward. JAX traces the
     function once for the forward pass and once more for the `custom_vjp`
-    backward rule (`graphckpt.remat.jax_remat`), and the gradient's jaxpr
+    backward rule (`graphckpt.runtime.remat_jax.jax_remat`), and the gradient's jaxpr
     holds the recomputed forward: more matmuls than the plain model's."""
     model = models.chain(depth=12)
     ck = graphckpt.checkpoint_model(model, segments=3)
@@ -493,7 +493,7 @@ def test_jax_recompute_draws_its_random_numbers_after_the_cotangent():
     import jax.numpy as jnp
     from jax._src import core
 
-    from graphckpt.remat import jax_remat
+    from graphckpt.runtime.remat_jax import jax_remat
 
     def f(x, seed):  # `seed`: a uint32 seed state, as Keras's SeedGenerator holds
         return (x * jax.random.uniform(jax.random.wrap_key_data(seed), x.shape),)

@@ -20,7 +20,7 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
 from tests.helpers import compare_inference, compare_step
 from tests.untouched import Snapshot
 

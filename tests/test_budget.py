@@ -16,7 +16,7 @@ from keras import layers
 
 import graphckpt
 from graphckpt.budget import parse_budget
-from graphckpt.graph import TensorInfo, build_graph
+from graphckpt.graph.build import TensorInfo, build_graph
 from graphckpt.planner import (
     BudgetInfeasible,
     NodeCosts,
@@ -27,7 +27,7 @@ from graphckpt.planner import (
     topological_order,
     validate_plan,
 )
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
 from tests import models
 from tests.helpers import compare_step
 from tests.planner.graphs import dag
@@ -393,7 +393,7 @@ def masked_pooling():
 def test_bool_first_segment_output_is_differentiable():
     """Regression: a cut right after Embedding's mask op made a Segment whose
     first output is boolean; graph-mode recompute_grad read its gradient."""
-    from graphckpt.checkpointed import checkpointed_model
+    from graphckpt.runtime.checkpointed import checkpointed_model
 
     model = masked_pooling()
     g = build_graph(model)

@@ -16,12 +16,12 @@ from keras import layers
 
 import graphckpt
 from graphckpt import cli
-from graphckpt.checkpointed import plan_to_config
 from graphckpt.cli.loading import gist
 from graphckpt.cli.startup import native_log_filter
-from graphckpt.estimator import estimate
-from graphckpt.graph import build_graph
+from graphckpt.estimator.peak import estimate
+from graphckpt.graph.build import build_graph
 from graphckpt.measure import Comparison, Measurement
+from graphckpt.runtime.checkpointed import plan_to_config
 from tests import models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -530,7 +530,7 @@ def test_inspect_shows_segments_cut_again(capsys, tmp_path):
     """A budget below what plans of one level reach: the JSON lists each
     segment's inner segments (covering its calls), the table writes them
     as `calls = a+b*`."""
-    from graphckpt.estimator import node_costs
+    from graphckpt.estimator.peak import node_costs
     from graphckpt.planner import smallest_peak
 
     model = models.chain(depth=24, bn=True)

@@ -1,6 +1,6 @@
 """The estimator's time model (issue 15 part 1): matmul-like calls priced by
 their FLOPs, the others by the bytes they move, with constants fitted on
-this machine (graphckpt/data/cpu_costs.json)."""
+this machine (graphckpt/estimator/data/cpu_costs.json)."""
 
 import json
 
@@ -9,7 +9,7 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt import cost_model
+from graphckpt.estimator import cost_model
 
 
 def _conv_bn(size):
@@ -57,8 +57,8 @@ def test_the_planners_costs_are_whole_nanoseconds():
     """The budget search trusts its shift certificate only on whole-number
     costs (graphckpt/planner/front.py); fractional seconds made a 2000-call
     chain's budget plan take 143 s instead of 4."""
-    from graphckpt.estimator import node_costs
-    from graphckpt.graph import build_graph
+    from graphckpt.estimator.peak import node_costs
+    from graphckpt.graph.build import build_graph
 
     costs = node_costs(build_graph(_conv_bn(16)), 4)
     assert all(float(c).is_integer() and c > 0 for c in costs.compute.values())

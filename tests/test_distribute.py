@@ -172,7 +172,7 @@ def _jax():
     plain, out["gemma_plain"] = _gemma_lora(gemma, None)
     flagged, out["gemma_flag"] = _gemma_lora(gemma, 3)
     out["gemma_split"] = sum(_split(v) for v in flagged.weights)
-    from graphckpt.fit_flag import _CACHE_ATTR
+    from graphckpt.training.flag import _CACHE_ATTR
 
     (twin,) = flagged.__dict__[_CACHE_ATTR].twins.values()
     out["gemma_segments_run"] = [s.forward_calls >= 2 for s in twin.segments]  # forward and recompute traced

@@ -204,7 +204,7 @@ def _resolves(dotted):
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
 def test_graphckpt_names_in_the_docs_exist(path):
-    """`graphckpt.remat.jax_remat` and the like, as the docs write them,
-    name something there (a refactor moved `graphckpt.segment._remat`)."""
+    """`graphckpt.runtime.remat_jax.jax_remat` and the like, as the docs write them,
+    name something there (a refactor moved `graphckpt.runtime.segment._remat`)."""
     named = set(DOTTED.findall(path.read_text()))
     assert sorted(n for n in named if not _resolves(n)) == []

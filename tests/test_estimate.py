@@ -9,15 +9,15 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt import cost_model
-from graphckpt.estimator import (
+from graphckpt.estimator import cost_model
+from graphckpt.estimator.keras_rules import is_expensive
+from graphckpt.estimator.peak import (
     call_estimates,
     estimate,
-    is_expensive,
     node_costs,
     resolve_batch_size,
 )
-from graphckpt.graph import build_graph
+from graphckpt.graph.build import build_graph
 from graphckpt.planner import segment_peaks
 from tests import models
 
@@ -378,7 +378,7 @@ def test_a_registered_rule_is_used_for_the_class_and_its_subclasses():
             assert call.rule == "block" and call.kept_bytes == (3 + 1) * 2 * 16 * F
             assert call.expensive and is_expensive(layer)
     finally:
-        from graphckpt import rules
+        from graphckpt.estimator import rules
 
         del rules._REGISTRY[Block]
 
@@ -400,13 +400,13 @@ def test_a_subclass_rule_wins_over_its_base_class_rule():
         plain, _ = one_call(layers.Dense(16), (16,))
         assert call.rule == "mine" and plain.rule == "matmul"
     finally:
-        from graphckpt import rules
+        from graphckpt.estimator import rules
 
         del rules._REGISTRY[_DenseSubclass]
 
 
 _EARLY_RULES = """
-from graphckpt.rules import LayerRule, register_layer_rule
+from graphckpt.estimator.rules import LayerRule, register_layer_rule
 import keras
 from keras_hub.src.layers.modeling.rms_normalization import RMSNormalization
 
@@ -415,7 +415,7 @@ def mine(layer, inputs, outputs):
 
 register_layer_rule(keras.layers.Dense, mine)
 register_layer_rule(RMSNormalization, mine)
-from graphckpt import keras_rules  # registers Keras's rules now
+from graphckpt.estimator import keras_rules  # registers Keras's rules now
 
 for cls in (keras.layers.Dense, RMSNormalization):  # the second loads keras_hub's
     assert keras_rules.find_rule(cls)[0] is mine, cls

@@ -17,7 +17,7 @@ The issue-13 chain (Dropout, GaussianNoise, BatchNormalization, L2) is
 chaotic to train: a relative change of 1e-7 to its initial weights moves
 the plain model's epoch-3 loss by several percent. So it catches a gradient
 that is off by a single rounding step, not just a wrong one; on JAX it
-failed before `graphckpt.remat.jax_remat` (see there).
+failed before `graphckpt.runtime.remat_jax.jax_remat` (see there).
 """
 
 import contextlib
@@ -128,7 +128,7 @@ def freezable_chain():
 def residual_cnn():
     """Two residual blocks of Conv-BN-ReLU-Conv-BN + Add, ReLU, at 8 x 8 x 8:
     the residual stream's gradient, which XLA recomputed inside the fusions
-    of the segments before until `graphckpt.remat.jax_materialize` made it
+    of the segments before until `graphckpt.runtime.remat_jax.jax_materialize` made it
     a buffer of its own (and which changes XLA's rounding there)."""
     inp = keras.Input((8, 8, 8))
     x = inp
@@ -377,7 +377,7 @@ def assert_trains_alike(result, want_histories, want_state):
 def test_jax_gradients_are_within_the_plain_models_own_rounding():
     """On JAX "exact" means equal to the rounding of the same arithmetic
     (docs/limitations.md): XLA fuses the checkpointed step differently from
-    the plain one (`graphckpt.remat.jax_materialize` changes its fusions),
+    the plain one (`graphckpt.runtime.remat_jax.jax_materialize` changes its fusions),
     as it fuses the plain step differently jitted and op by op. One step's
     gradients of the attention encoder, checkpointed and jitted, are held
     to the plain model's own difference between those two compilations

@@ -10,7 +10,7 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.fit_flag import _CACHE_ATTR
+from graphckpt.training.flag import _CACHE_ATTR
 from tests import models
 from tests.helpers import state_of
 
@@ -87,7 +87,7 @@ def test_segment_layer_losses_reach_model_losses():
     """The mechanism behind the test above: while training is routed through
     the segments, `model.losses` still holds every activity-regularizer term,
     with the values plain training gives."""
-    from graphckpt.fit_flag import _training_call, _twin_for
+    from graphckpt.training.flag import _training_call, _twin_for
     from tests.helpers import restore
 
     model = regularized()

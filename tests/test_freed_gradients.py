@@ -7,8 +7,8 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.estimator import node_costs
-from graphckpt.graph import build_graph, call_names
+from graphckpt.estimator.peak import node_costs
+from graphckpt.graph.build import build_graph, call_names
 from tests import models
 from tests.helpers import BACKEND
 

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import graphckpt
-from graphckpt.graph import build_graph
+from graphckpt.graph.build import build_graph
 from graphckpt.planner import validate_plan
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
 from tests.helpers import compare_inference, compare_step
 from tests.models import sample_inputs
 from tests.strategies import build_model, describe, model_specs

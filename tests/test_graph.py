@@ -5,8 +5,8 @@ import networkx as nx
 import numpy as np
 from keras import layers
 
-from graphckpt.graph import build_graph, dependencies, kept_whole_note, live_tensors
-from graphckpt.layer_graph import INPUT, LayerGraph, outputs_of, state_chains_of, tensors_of
+from graphckpt.graph.build import build_graph, dependencies, kept_whole_note, live_tensors
+from graphckpt.graph.layer_graph import INPUT, LayerGraph, outputs_of, state_chains_of, tensors_of
 from tests import models
 
 

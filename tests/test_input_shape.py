@@ -1,4 +1,4 @@
-"""Real sizes for unknown dimensions: `input_shape=` (graphckpt/shapes.py).
+"""Real sizes for unknown dimensions: `input_shape=` (graphckpt/graph/shapes.py).
 
 Text models take token ids of shape (None, None): without the real sequence
 length, every estimate and plan is for sequences of length 1. These tests
@@ -18,8 +18,8 @@ from keras import layers
 
 import graphckpt
 from graphckpt import cli
-from graphckpt.graph import build_graph
-from graphckpt.shapes import UnknownDimensionWarning, parse_input_shape, sized_graph
+from graphckpt.graph.build import build_graph
+from graphckpt.graph.shapes import UnknownDimensionWarning, parse_input_shape, sized_graph
 from tests.helpers import compare_step, to_numpy
 from tests.untouched import Snapshot
 
@@ -306,7 +306,7 @@ def test_parse_input_shape_fills_the_batch():
 
 
 def _twin_plan(model):
-    from graphckpt.fit_flag import _CACHE_ATTR
+    from graphckpt.training.flag import _CACHE_ATTR
 
     (twin,) = model.__dict__[_CACHE_ATTR].twins.values()
     return twin.model.plan

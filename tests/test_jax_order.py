@@ -1,11 +1,11 @@
 """JAX: what keeps XLA from holding buffers across segments.
 
 - A segment's incoming cotangents are computed into buffers of their own
-  before its backward pass (`graphckpt.remat.jax_materialize`), so that XLA
+  before its backward pass (`graphckpt.runtime.remat_jax.jax_materialize`), so that XLA
   cannot recompute them inside the fusions that read them and keep the
   buffers they are made of alive across the segments before.
 - In the forward pass a segment's seed states are tied to its inputs
-  (`graphckpt.remat._states_after_inputs`), so that its random draws are
+  (`graphckpt.runtime.remat_jax._states_after_inputs`), so that its random draws are
   not made at the start of the step."""
 
 import os
@@ -26,7 +26,7 @@ def test_values_are_unchanged_bit_for_bit_through_a_conditional():
     import jax
     import jax.numpy as jnp
 
-    from graphckpt.remat import jax_materialize
+    from graphckpt.runtime.remat_jax import jax_materialize
 
     x = jnp.array([-0.0, np.nan, np.inf, 1.5] * 4, jnp.float32)
     n = jnp.arange(3, dtype=jnp.int32)
@@ -47,7 +47,7 @@ def test_off_the_cpu_the_arrays_are_returned_as_they_are(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from graphckpt.remat import jax_materialize
+    from graphckpt.runtime.remat_jax import jax_materialize
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     x = jnp.ones((4,), jnp.float32)
@@ -78,10 +78,10 @@ def test_a_residual_cnn_peaks_lower_with_materialized_cotangents(monkeypatch):
     recomputed inside each segment's backward fusions from the buffers of
     every segment after it (JAX 0.10.2: 168.2 MiB without, 112.4 MiB with,
     2026-12-06; 104.4 MiB with at the default plan of least recompute)."""
-    from graphckpt import remat
+    from graphckpt.runtime import remat_jax
 
     materialized = _resnet_stage_temp()
-    monkeypatch.setattr(remat, "jax_materialize", tuple)
+    monkeypatch.setattr(remat_jax, "jax_materialize", tuple)
     fused = _resnet_stage_temp()
     assert materialized < 0.85 * fused
 
@@ -104,7 +104,7 @@ def test_seed_states_are_tied_to_the_inputs_in_the_forward_pass():
     import jax
     import jax.numpy as jnp
 
-    from graphckpt.remat import _states_after_inputs
+    from graphckpt.runtime.remat_jax import _states_after_inputs
 
     x = jnp.array([-0.0, np.nan, 1.0], jnp.float32)
     seed = jnp.array([7, 2**31 - 1], jnp.uint32)
@@ -124,8 +124,8 @@ def test_a_transformer_with_dropout_peaks_lower_with_tied_seed_states(monkeypatc
     (2026-12-06, JAX 0.10.2): untied, the threefry counters of every
     dropout were computed at the start of the step."""
     import graphckpt
-    from graphckpt import remat
     from graphckpt.measure.crosscheck import independent_peak
+    from graphckpt.runtime import remat_jax
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import families
@@ -140,6 +140,6 @@ def test_a_transformer_with_dropout_peaks_lower_with_tied_seed_states(monkeypatc
         return independent_peak(model, x, y)["bytes"]
 
     tied = temp()
-    monkeypatch.setattr(remat, "_states_after_inputs", lambda args, n_inputs: list(args))
+    monkeypatch.setattr(remat_jax, "_states_after_inputs", lambda args, n_inputs: list(args))
     untied = temp()
     assert tied < 0.85 * untied

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import graphckpt
-from graphckpt.fit_flag import _CACHE_ATTR
-from graphckpt.segment import Segment
-from graphckpt.shapes import UnknownDimensionWarning
+from graphckpt.graph.shapes import UnknownDimensionWarning
+from graphckpt.runtime.segment import Segment
+from graphckpt.training.flag import _CACHE_ATTR
 from tests.helpers import compare_step, to_numpy
 
 VOCAB, BATCH, SEQ = 64, 2, 16
@@ -232,7 +232,7 @@ def test_grouped_query_attention_of_decoder_lms_is_estimated_as_attention(build,
     """keras_hub's Llama and Gemma attention layers (raw einsums between
     sublayers) get the attention rule: their decoder blocks keep at least
     the score buffers, heads x T x T per example, which grow with T^2."""
-    from graphckpt import hub_rules, keras_rules, rules
+    from graphckpt.estimator import hub_rules, keras_rules, rules
 
     backbone = build()
     attention = getattr(backbone.get_layer(block), attention_attr)

@@ -15,8 +15,8 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.fit_flag import _CACHE_ATTR
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
+from graphckpt.training.flag import _CACHE_ATTR
 from tests.helpers import BACKEND, to_numpy
 
 X = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")

@@ -23,8 +23,8 @@ from keras import layers, ops
 
 import graphckpt
 from graphckpt import keras_compat
-from graphckpt.graph import build_graph
-from graphckpt.segment import Segment
+from graphckpt.graph.build import build_graph
+from graphckpt.runtime.segment import Segment
 from tests.helpers import BACKEND, compare_step, restore, state_of, to_numpy
 from tests.test_exact_fit import assert_trains_alike
 from tests.test_fit_flag import segments_of

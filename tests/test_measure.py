@@ -194,7 +194,7 @@ def test_the_child_loads_a_checkpointed_file(tmp_path):
 
 def test_outputs_are_held_once_beside_the_segments():
     """The estimate's fixed part, one output-sized buffer alive through the
-    backward pass (graphckpt/estimator.py, `_FIXED_OUTPUTS`), against the
+    backward pass (graphckpt/estimator/peak.py, `_FIXED_OUTPUTS`), against the
     measured peak of a model whose outputs (8 MiB) dwarf each layer's
     (1 MiB): three times the outputs over-estimated it by a third or more.
 

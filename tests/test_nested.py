@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import graphckpt
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
 from tests.helpers import compare_step
 
 

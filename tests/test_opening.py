@@ -9,8 +9,8 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.graph import build_graph
-from graphckpt.segment import Segment
+from graphckpt.graph.build import build_graph
+from graphckpt.runtime.segment import Segment
 from tests.helpers import compare_step, to_numpy
 
 pytestmark = pytest.mark.backends
@@ -149,7 +149,7 @@ def test_mixed_precision_blocks_open_and_train_exactly():
     closed = build_graph(model, open_layers=True).not_opened
     assert not [path for path in closed if "/" not in path]
     # Each opened block computes what the block does to float32 rounding
-    # (`graphckpt.opening._verify`, outputs and gradients). Across the
+    # (`graphckpt.graph.opening._verify`, outputs and gradients). Across the
     # model, a tensor with consumers on both sides of a cut gets its
     # gradient summed in another grouping, and in bfloat16 that rounds
     # differently: a few bfloat16 ulps (measured: 1.2e-4 on 5.8e-3), where
@@ -208,7 +208,7 @@ def test_a_vit_classifier_through_the_fit_flag_trains_as_plain_fit(installed):
     np.testing.assert_allclose(opened[0], plain[0], rtol=1e-4)
     for p, e, o in zip(plain[1], eager[1], opened[1]):
         assert np.max(np.abs(o - p)) <= 2 * np.max(np.abs(e - p)) + 1e-6
-    from graphckpt.fit_flag import _CACHE_ATTR
+    from graphckpt.training.flag import _CACHE_ATTR
 
     cache = opened[2].__dict__[_CACHE_ATTR]
     ((twin, plan),) = cache.plans.values()
@@ -257,7 +257,7 @@ def test_a_gpt2_causal_lm_opens_its_decoders_at_the_data_shapes_and_trains_as_pl
     np.testing.assert_allclose(runs["opened"][0], runs["plain"][0], rtol=1e-5)
     for a, b in zip(runs["opened"][1], runs["plain"][1]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
-    from graphckpt.fit_flag import _CACHE_ATTR
+    from graphckpt.training.flag import _CACHE_ATTR
 
     ((twin, plan),) = runs["opened"][2].__dict__[_CACHE_ATTR].plans.values()
     assert plan.opened_at is not None and plan.opened_at[0] == (4, 8)
@@ -364,7 +364,7 @@ def test_a_predicate_opens_only_the_layers_it_says_and_the_plan_keeps_that(tmp_p
         graphckpt.plan(model, open_layers="yes")
     model.compile(optimizer="sgd", loss="mse")
     model.fit(_x(), np.zeros((4, 1)), epochs=1, verbose=0, gradient_checkpointing=4, open_layers=keep_attention)
-    from graphckpt.fit_flag import _CACHE_ATTR
+    from graphckpt.training.flag import _CACHE_ATTR
 
     ((_, flag_plan),) = model.__dict__[_CACHE_ATTR].plans.values()
     assert flag_plan.kept_closed == ck.plan.kept_closed

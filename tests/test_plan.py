@@ -5,7 +5,7 @@ import math
 import networkx as nx
 import pytest
 
-from graphckpt.graph import TensorInfo, build_graph
+from graphckpt.graph.build import TensorInfo, build_graph
 from graphckpt.planner import (
     plan_from_boundaries,
     plan_segments,

@@ -16,9 +16,9 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.checkpointed import checkpointed_model
-from graphckpt.graph import build_graph
+from graphckpt.graph.build import build_graph
 from graphckpt.planner import plan_from_boundaries, topological_order
+from graphckpt.runtime.checkpointed import checkpointed_model
 from tests.helpers import BACKEND, compare_step
 
 pytestmark = pytest.mark.backends

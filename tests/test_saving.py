@@ -13,9 +13,9 @@ import tensorflow as tf
 from keras import layers
 
 import graphckpt
-from graphckpt.checkpointed import plan_to_config
-from graphckpt.graph import build_graph
-from graphckpt.segment import Segment
+from graphckpt.graph.build import build_graph
+from graphckpt.runtime.checkpointed import plan_to_config
+from graphckpt.runtime.segment import Segment
 from tests import models
 from tests.helpers import compare_step
 

@@ -17,7 +17,7 @@ import pytest
 
 import graphckpt
 from graphckpt import keras_compat
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
 from tests import models
 from tests.helpers import BACKEND, to_numpy
 

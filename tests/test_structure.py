@@ -39,9 +39,9 @@ def _import_graph():
 def test_the_import_graph_is_found():
     graph = _import_graph()
     # The checks below are only as good as the graph: it must see known edges.
-    assert graph.has_edge("graphckpt.checkpointed", "graphckpt.rewrite")
-    assert graph.has_edge("graphckpt.estimator", "graphckpt.keras_rules")
-    assert graph.has_edge("graphckpt.keras_rules", "graphckpt.hub_rules")  # a function-level import
+    assert graph.has_edge("graphckpt.runtime.checkpointed", "graphckpt.runtime.rewrite")
+    assert graph.has_edge("graphckpt.estimator.peak", "graphckpt.estimator.keras_rules")
+    assert graph.has_edge("graphckpt.estimator.keras_rules", "graphckpt.estimator.hub_rules")  # a function-level import
 
 
 def test_no_import_cycle():
@@ -95,8 +95,8 @@ def test_modules_use_only_each_others_public_names():
 
 def test_private_uses_are_found(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("import graphckpt\nfrom graphckpt import api\nfrom graphckpt.graph import _x\napi._y(graphckpt._z)\n")
-    assert sorted(_private_uses(probe)) == ["api._y", "graphckpt._z", "graphckpt.graph._x"]
+    probe.write_text("import graphckpt\nfrom graphckpt import api\nfrom graphckpt.graph.build import _x\napi._y(graphckpt._z)\n")
+    assert sorted(_private_uses(probe)) == ["api._y", "graphckpt._z", "graphckpt.graph.build._x"]
 
 
 # Private Keras names read outside keras_compat: graphckpt's own marks on

@@ -1,5 +1,5 @@
 """The fit flag on subclassed models: `call` traced into a graph of layer
-calls (`graphckpt.tracing`), planned, and the user's own object trained
+calls (`graphckpt.graph.tracing`), planned, and the user's own object trained
 through it, exactly as plain `fit` trains it; a `call` that can't be
 traced exactly is refused, naming the construct and the line."""
 
@@ -9,7 +9,7 @@ import pytest
 from keras import layers, ops
 
 import graphckpt
-from graphckpt.fit_flag import _CACHE_ATTR
+from graphckpt.training.flag import _CACHE_ATTR
 from tests import subclassed_models as sm
 from tests.helpers import BACKEND, to_numpy
 
@@ -256,7 +256,7 @@ def test_mixed_precision_trains_as_plain_fit(installed):
 
 
 def test_a_training_call_with_a_mask_runs_the_models_own_call_with_a_warning(installed):
-    from graphckpt.fit_flag import _training_call
+    from graphckpt.training.flag import _training_call
 
     model, _ = _fit("tagger", gradient_checkpointing=True)
     (traced,) = model.__dict__["_graphckpt_traced"].values()

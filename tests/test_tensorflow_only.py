@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import graphckpt
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
 from tests import models
 
 MODES = pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
@@ -95,13 +95,13 @@ def test_recompute_really_happens_in_graph():
 
 def test_tf_tie_keeps_every_value_and_waits_for_the_gradients():
     """The tie that orders a segment's recompute after its incoming
-    gradients (`graphckpt.remat.tf_tie`): values bit for bit (-0.0, NaN,
+    gradients (`graphckpt.runtime.remat_tensorflow.tf_tie`): values bit for bit (-0.0, NaN,
     inf, integers), and the tied tensor computed from the gradients, so
     that neither the executor nor XLA runs the recompute in the forward
     pass."""
     import tensorflow as tf
 
-    from graphckpt.remat import tf_tie
+    from graphckpt.runtime.remat_tensorflow import tf_tie
 
     x = tf.constant([-0.0, 0.0, float("nan"), float("inf"), -1.5])
     ids = tf.constant([3, 0, 7])
@@ -195,7 +195,7 @@ def test_closed_over_values_wait_for_the_gradients():
     only after the gradient."""
     import tensorflow as tf
 
-    from graphckpt.remat import _tie_closed
+    from graphckpt.runtime.remat_tensorflow import _tie_closed
 
     @tf.function
     def tied(weights, seed, mask, words, gradient):

@@ -4,7 +4,7 @@ cycle, so memory follows reference counting, not Python's cyclic GC.
 torch's non-reentrant checkpoint stops each recompute early by raising an
 exception; Keras's traceback filtering kept that exception's frames, and the
 recomputed activations in them, alive in reference cycles after the step
-(graphckpt/remat.py `torch_remat` turns the early stop off for its own
+(graphckpt/runtime/remat_torch.py `torch_remat` turns the early stop off for its own
 calls). What cycles may still hold is the segments' *inputs*: Keras's tree
 functions on PyTorch keep a copy of every structure they walk in a cycle (a
 baseline model's `Add` inputs alike), and a sub-model call walks its inputs.
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import graphckpt
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
 from tests.helpers import BACKEND
 
 pytestmark = [

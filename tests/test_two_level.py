@@ -8,13 +8,13 @@ import pytest
 from keras import layers, ops
 
 import graphckpt
-from graphckpt import cost_model
-from graphckpt.checkpointed import checkpointed_model
-from graphckpt.estimator import node_costs
-from graphckpt.fit_flag import _CACHE_ATTR
-from graphckpt.graph import build_graph
+from graphckpt.estimator import cost_model
+from graphckpt.estimator.peak import node_costs
+from graphckpt.graph.build import build_graph
 from graphckpt.planner import plan_from_boundaries, smallest_peak, topological_order, validate_plan
-from graphckpt.segment import Segment
+from graphckpt.runtime.checkpointed import checkpointed_model
+from graphckpt.runtime.segment import Segment
+from graphckpt.training.flag import _CACHE_ATTR
 from tests import models
 from tests.helpers import BACKEND, compare_step, jax_loss_fn, state_of, train_step
 

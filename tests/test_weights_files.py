@@ -14,7 +14,7 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt.segment import Segment
+from graphckpt.runtime.segment import Segment
 from tests import models
 from tests.helpers import BACKEND, compare_step, to_numpy
 

@@ -1,5 +1,5 @@
 """How much of a model's output size a training step holds beside its
-segments: the estimator's `fixed` term (`graphckpt/estimator.py`,
+segments: the estimator's `fixed` term (`graphckpt/estimator/peak.py`,
 `_FIXED_OUTPUTS`).
 
 A Dense chain whose head has no weights and outputs far more than any
@@ -37,7 +37,7 @@ def estimates():
 
     import graphckpt
 
-    estimate_module = importlib.import_module("graphckpt.estimator")
+    estimate_module = importlib.import_module("graphckpt.estimator.peak")
     model = big_outputs()
     kept = estimate_module._FIXED_OUTPUTS
     rows = {}

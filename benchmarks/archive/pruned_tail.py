@@ -37,9 +37,9 @@ def main(argv=None):
     import tensorflow as tf
     from keras import layers
 
-    from graphckpt.checkpointed import checkpointed_model
-    from graphckpt.graph import build_graph
+    from graphckpt.graph.build import build_graph
     from graphckpt.planner import plan_from_boundaries, topological_order
+    from graphckpt.runtime.checkpointed import checkpointed_model
 
     inp = keras.Input((1024,))
     x = inp

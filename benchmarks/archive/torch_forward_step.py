@@ -1,6 +1,6 @@
 """A Dense call's forward step on PyTorch: its bias add and activation are
 ops of their own, so one more output-sized tensor lives beside the one
-being made (`NodeCosts.forward_temp`, graphckpt/keras_rules.py
+being made (`NodeCosts.forward_temp`, graphckpt/estimator/keras_rules.py
 `forward_temporaries`).
 
 The Keras baseline of 32 x Dense(1024) (orthogonal kernels, so that the

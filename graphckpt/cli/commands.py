@@ -105,7 +105,7 @@ def demo_model(depth=DEMO["depth"], width=DEMO["width"]):
 
 def cmd_demo(args):
     import graphckpt
-    from graphckpt.graph import build_graph
+    from graphckpt.graph.build import build_graph
 
     import_keras()
     console = make_console()

@@ -112,7 +112,7 @@ def planned(model, planner_kwargs):
     the plan is estimated for (`--input-shape`)."""
     import graphckpt
     from graphckpt import api
-    from graphckpt.shapes import plan_graph, sized_graph
+    from graphckpt.graph.shapes import plan_graph, sized_graph
 
     if isinstance(model, graphckpt.CheckpointedModel):
         plain = graphckpt.uncheckpoint(model)

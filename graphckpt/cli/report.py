@@ -7,7 +7,7 @@ import re
 import warnings
 
 from graphckpt import errors
-from graphckpt.layer_graph import INPUT
+from graphckpt.graph.layer_graph import INPUT
 
 
 def _tensor_name(key, names, graph):
@@ -47,8 +47,8 @@ def describe(model, graph, plan, batch_size=None):
     `outside` (model inputs). `calls` lists each segment's layer calls; a
     path's k-th call (k > 0) is written `path#k`.
     """
-    from graphckpt.estimator import estimate
-    from graphckpt.graph import call_names
+    from graphckpt.estimator.peak import estimate
+    from graphckpt.graph.build import call_names
 
     names = call_names(graph)
     tensors = graph.tensors
@@ -125,7 +125,7 @@ def describe(model, graph, plan, batch_size=None):
 
 def to_dot(info, graph):
     """A Graphviz description: one node per layer call, segments as clusters."""
-    from graphckpt.graph import call_names
+    from graphckpt.graph.build import call_names
 
     names = call_names(graph)
 

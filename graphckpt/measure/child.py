@@ -53,15 +53,15 @@ def _random_batch(model, batch_size, seed, input_shape=None):
     import keras
     import numpy as np
 
-    from graphckpt.graph import functional_of
+    from graphckpt.graph.build import functional_of
 
     rng = np.random.default_rng(seed)
     # A Sequential's own `input` exists only once it has been called; its
     # inner functional model has them as soon as it is built.
     inputs, outputs = functional_of(model).input, functional_of(model).output
     if input_shape is not None:
-        from graphckpt.graph import build_graph
-        from graphckpt.shapes import parse_input_shape
+        from graphckpt.graph.build import build_graph
+        from graphckpt.graph.shapes import parse_input_shape
 
         shapes, _ = parse_input_shape(build_graph(model), input_shape, batch_size)
         flat = [keras.KerasTensor(s, dtype=t.dtype) for s, t in zip(shapes, keras.tree.flatten(inputs))]
@@ -293,7 +293,7 @@ def _run(spec, info, phase):
 
 def _measurement(spec, model, info, device, memory_method, peaks, resident, times, cpu, first):
     """The `Measurement` of a successful run."""
-    from graphckpt.segment import Segment
+    from graphckpt.runtime.segment import Segment
 
     return from_spec(
         spec,

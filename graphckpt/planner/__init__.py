@@ -1,11 +1,11 @@
 """The pure planner: where to cut a layer-call graph into segments.
 
 Contract:
-- Input: a `graphckpt.layer_graph.LayerGraph` (`build_graph`'s output), or
+- Input: a `graphckpt.graph.layer_graph.LayerGraph` (`build_graph`'s output), or
   any `networkx.DiGraph` with the same attributes. Only node attributes
   `kind` and `position`, edge attribute `tensors`, and the graph's
   `tensors` (each with `producer` and `nbytes`), `outputs` and
-  `state_chains`, read through `graphckpt.layer_graph`'s accessors
+  `state_chains`, read through `graphckpt.graph.layer_graph`'s accessors
   (`tensors_of(graph)`, ...), are read. Nothing here imports Keras.
 - Output: an immutable `Plan`. Its segments are contiguous runs of one
   topological order that cover every layer call exactly once; a segment's
@@ -16,7 +16,7 @@ Contract:
   segments are short where activations are big and single-tensor cut
   points win where they exist.
 - Memory budgets: given per-call costs (`NodeCosts`, made by
-  `graphckpt.estimator.node_costs` from a Keras model, or by hand), `plan_for_budget`
+  `graphckpt.estimator.peak.node_costs` from a Keras model, or by hand), `plan_for_budget`
   finds the plan of least recompute whose estimated peak fits a budget, and
   `segment_peaks` / `estimated_peak` evaluate the same memory model on any
   plan. Segments may be marked `remat=False`: their calls run as they are.

@@ -85,7 +85,7 @@ def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", m
     a linearized graph.
 
     Args:
-        graph: the layer-call graph (see `graphckpt.graph`).
+        graph: the layer-call graph (see `graphckpt.graph.build`).
         costs: `NodeCosts` for it, at the batch size the budget is for.
         budget_bytes: the largest estimated peak allowed.
         keep: layer calls never to recompute (a recompute policy).

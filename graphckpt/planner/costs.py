@@ -4,7 +4,7 @@ This module never imports Keras."""
 
 import dataclasses
 
-from graphckpt.layer_graph import tensors_of
+from graphckpt.graph.layer_graph import tensors_of
 from graphckpt.planner.data import layer_nodes
 
 __all__ = ["NodeCosts", "SegmentPeak", "graph_costs"]
@@ -14,7 +14,7 @@ __all__ = ["NodeCosts", "SegmentPeak", "graph_costs"]
 class NodeCosts:
     """What the memory model needs about each layer call, for one batch.
 
-    `graphckpt.estimator.node_costs` makes one from a Keras model; tests make
+    `graphckpt.estimator.peak.node_costs` makes one from a Keras model; tests make
     them by hand. Bytes are absolute for the batch the costs were made for
     (per example when `per_example` is true).
 
@@ -27,7 +27,7 @@ class NodeCosts:
         workspace: layer call -> transient bytes of its backward step
             (input and parameter gradients, temporaries).
         compute: layer call -> cost of running it forward once (the
-            estimator's: whole nanoseconds by `graphckpt.cost_model`; any
+            estimator's: whole nanoseconds by `graphckpt.estimator.cost_model`; any
             unit will do, and whole numbers let the search trust shifts).
         fixed: bytes every plan pays alike (the loss, the batch's gradients).
         per_example: whether the bytes are per example.
@@ -103,7 +103,7 @@ def graph_costs(graph):
     every tensor kept for backward, no other memory, unit compute per call.
 
     What `plan_segments` plans with when no estimate of the layers is at
-    hand (`graphckpt.estimator.node_costs` knows more about each layer)."""
+    hand (`graphckpt.estimator.peak.node_costs` knows more about each layer)."""
     tensors = tensors_of(graph)
     calls = layer_nodes(graph)
     return NodeCosts(

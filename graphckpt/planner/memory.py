@@ -9,7 +9,7 @@ and `segment_peaks` / `estimated_peak` / `baseline_peak` read every
 segment's peak in O(1). This module never imports Keras; it uses numpy.
 """
 
-from graphckpt.layer_graph import outputs_of, tensors_of
+from graphckpt.graph.layer_graph import outputs_of, tensors_of
 from graphckpt.planner.costs import NodeCosts, SegmentPeak, graph_costs
 from graphckpt.planner.data import tensor_consumers, topological_order
 
@@ -46,7 +46,7 @@ class MemoryModel:
     `in(a, b)`: tensors made before a and used in [a, b), which the
     recompute copies (graphckpt's TensorFlow and JAX remats order it after
     the incoming gradient through a data dependency on every input,
-    `graphckpt.remat.tf_tie` and `jax_tie`);
+    `graphckpt.runtime.remat_tensorflow.tf_tie` and `jax_tie`);
     `freed(0, v+1)`: of the bytes freed after the forward pass
     (`NodeCosts.freed`; none but on PyTorch), those of calls `0 .. v`, not
     allocated again when `v`'s backward runs (their backward comes later,

@@ -154,7 +154,7 @@ def plan_segments(graph, segments="auto", costs=None, *, memory=None):
     cross.
 
     Args:
-        graph: a layer-call graph (see `graphckpt.graph`).
+        graph: a layer-call graph (see `graphckpt.graph.build`).
         segments: `"auto"` (default) chooses the number of segments too,
             and which ones to recompute: among the plans whose estimated
             peak is within `AUTO_TOLERANCE` (1%) of the least any plan

@@ -4,7 +4,7 @@ as data, with the planner's answers to a list of queries.
 A case file (gzipped JSON) holds what the pure planner reads of a real
 model's graph (node `kind` and `position`, edge `tensors`, tensor
 producers and bytes, outputs, state chains), the costs
-`graphckpt.estimator.node_costs` made for it, and for each query
+`graphckpt.estimator.peak.node_costs` made for it, and for each query
 (`plan_segments`, `plan_for_budget`, `smallest_peak`, `baseline_peak`) the
 answer the planner gave when the file was written. `make_cases.py` writes
 the files (it needs Keras); `test_regression.py` replays the queries with
@@ -21,7 +21,7 @@ import random
 
 import networkx as nx
 
-from graphckpt.graph import TensorInfo
+from graphckpt.graph.build import TensorInfo
 from graphckpt.planner import (
     BudgetInfeasible,
     NodeCosts,

@@ -2,7 +2,7 @@
 
 import networkx as nx
 
-from graphckpt.graph import TensorInfo
+from graphckpt.graph.build import TensorInfo
 from graphckpt.planner.costs import NodeCosts
 
 

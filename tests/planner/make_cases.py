@@ -25,7 +25,7 @@ import networkx as nx
 sys.setrecursionlimit(10000)  # Keras walks a 2000-call chain recursively
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from graphckpt.graph import TensorInfo  # noqa: E402
+from graphckpt.graph.build import TensorInfo  # noqa: E402
 from graphckpt.planner import baseline_peak, graph_costs, smallest_peak, topological_order  # noqa: E402
 from tests.planner import casefile  # noqa: E402
 
@@ -108,8 +108,8 @@ def _write(name, graph, costs, keep, meta, large=False):
 
 def _model_case(name, builder, batch_size, large=False):
     from graphckpt import policies
-    from graphckpt.estimator import node_costs
-    from graphckpt.graph import build_graph
+    from graphckpt.estimator.peak import node_costs
+    from graphckpt.graph.build import build_graph
 
     graph = build_graph(builder())
     costs = node_costs(graph, batch_size)

@@ -14,7 +14,7 @@ plan that recomputes only them is not free. Each call is priced in estimated sec
 with `bytes` what the call reads and writes (its float inputs and its
 outputs). The constants are fitted by `benchmarks/cost_probe.py`, which
 times every distinct layer call of the benchmark families alone on the
-machine it runs on, and kept as data in `graphckpt/data/cpu_costs.json`.
+machine it runs on, and kept as data in `graphckpt/estimator/data/cpu_costs.json`.
 Only ratios matter to the planner (it compares the recompute of one plan
 with another's), so constants fitted on one CPU order plans sensibly on
 another.
@@ -63,7 +63,7 @@ def kind_of(class_name, rule_name, expensive):
 
 def io_bytes(ins, outs, batch_size=None):
     """Bytes a call reads and writes: its float inputs and its outputs, as
-    `graphckpt.graph.TensorInfo`s (per example), times `batch_size`."""
+    `graphckpt.graph.build.TensorInfo`s (per example), times `batch_size`."""
     per_example = sum(i.nbytes for i in ins if "float" in i.dtype) + sum(o.nbytes for o in outs)
     return per_example * (batch_size or 1)
 
@@ -80,7 +80,7 @@ def seconds(p, kind, flops, nbytes):
 
 @functools.cache
 def params():
-    """The fitted constants (`graphckpt/data/cpu_costs.json`)."""
+    """The fitted constants (`graphckpt/estimator/data/cpu_costs.json`)."""
     if not os.path.exists(DATA):
         return _FLOPS_ONLY
     with open(DATA) as f:
@@ -101,7 +101,7 @@ def segment_seconds():
 
 def call_seconds(class_name, rule, ins, outs, batch_size=None):
     """Estimated seconds of one forward run of a call with rule `rule`
-    (a `graphckpt.rules.LayerRule`) on `ins` -> `outs`, at `batch_size`."""
+    (a `graphckpt.estimator.rules.LayerRule`) on `ins` -> `outs`, at `batch_size`."""
     kind = kind_of(class_name, rule.name, rule.expensive)
     return seconds(params(), kind, rule.flops * (batch_size or 1), io_bytes(ins, outs, batch_size))
 
@@ -111,7 +111,7 @@ def call_seconds(class_name, rule, ins, outs, batch_size=None):
 # TensorFlow's graph runtime (and XLA) drops an op whose result nothing
 # reads (tests/test_pruned_recompute.py counts the matmuls run). On JAX the
 # segment's backward keeps its recomputed outputs alive on purpose (bitwise
-# equal gradients; `graphckpt.remat.jax_remat`), and PyTorch's autograd
+# equal gradients; `graphckpt.runtime.remat_jax.jax_remat`), and PyTorch's autograd
 # runs every recomputed op.
 PRUNING_BACKENDS = ("tensorflow",)
 

@@ -35,8 +35,10 @@ import weakref
 
 import keras
 
-from graphckpt import errors, fit_data, keras_compat, opening, tracing
-from graphckpt.fit_report import add_hint_to_uncaught_errors, say_plan
+from graphckpt import errors, keras_compat
+from graphckpt.graph import opening, tracing
+from graphckpt.training import data as fit_data
+from graphckpt.training.report import add_hint_to_uncaught_errors, say_plan
 
 __all__ = ["install", "uninstall", "is_installed", "fit"]
 
@@ -153,9 +155,9 @@ def _plan_twin(model, cache, planner_kwargs, without_shapes, name):
     or why there is nothing to recompute (a string, with any nested model
     kept whole). `name`: the name of the model `fit` trains, for warnings."""
     from graphckpt import api
-    from graphckpt.checkpointed import checkpointed_model
-    from graphckpt.graph import kept_whole_note
-    from graphckpt.segment import Segment
+    from graphckpt.graph.build import kept_whole_note
+    from graphckpt.runtime.checkpointed import checkpointed_model
+    from graphckpt.runtime.segment import Segment
 
     if "input_shape" in planner_kwargs and fit_data.checked_shapes(model, planner_kwargs["input_shape"]) is None:
         planner_kwargs = without_shapes if without_shapes is not None else planner_kwargs
@@ -359,7 +361,7 @@ def fit(model, *args, gradient_checkpointing=True, budget=None, open_layers=Fals
     Args:
         model: a compiled `keras.Model`: functional, a `keras.Sequential`
             (keras_hub task models included), or a subclass whose `call`
-            is traced on the data (see `graphckpt.tracing`).
+            is traced on the data (see `graphckpt.graph.tracing`).
         *args: `fit`'s positional arguments (`x`, `y`, ...).
         gradient_checkpointing: True or "auto" (default), "sqrt", or an int
             number of segments; False or None: plain `fit`.

@@ -18,7 +18,7 @@ Contract:
 - The figure is the peak training-step memory *above the resident state*
   (weights, optimizer slots, the batch), as `graphckpt.measure` reports it.
 - Shapes: the model's static shapes, with unknown dimensions given by
-  `input_shape` (propagated to every tensor by `graphckpt.shapes`); without
+  `input_shape` (propagated to every tensor by `graphckpt.graph.shapes`); without
   it an unknown non-batch dimension counts as 1, with a warning.
 - Batch size: the `batch_size` argument, else the batch dimension of
   `input_shape`, else the model's fixed batch dimension, else none: the
@@ -34,10 +34,11 @@ import math
 
 import keras
 
-from graphckpt import cost_model, errors, keras_compat, keras_rules, layers_inside, rules
-from graphckpt.graph import build_graph, functional_of
-from graphckpt.keras_rules import is_expensive
-from graphckpt.layer_graph import LayerGraph
+from graphckpt import errors, keras_compat
+from graphckpt.estimator import cost_model, keras_rules, layers_inside, rules
+from graphckpt.graph.build import build_graph, functional_of
+from graphckpt.graph.layer_graph import LayerGraph
+from graphckpt.graph.shapes import InputShape, open_graph, propagate, sized_graph
 from graphckpt.planner import (
     MemoryModel,
     NodeCosts,
@@ -48,7 +49,6 @@ from graphckpt.planner import (
     smallest_peak,
     topological_order,
 )
-from graphckpt.shapes import InputShape, open_graph, propagate, sized_graph
 
 __all__ = [
     "CallEstimate",
@@ -57,7 +57,6 @@ __all__ = [
     "node_costs",
     "call_estimates",
     "resolve_batch_size",
-    "is_expensive",
 ]
 
 
@@ -76,11 +75,11 @@ class CallEstimate:
             the `save_expensive` policy never recomputes.
         rule: the name of the rule used; `"unknown"` for a guess.
         seconds: estimated seconds of one forward run
-            (`graphckpt.cost_model`): what the planner prices recompute by.
+            (`graphckpt.estimator.cost_model`): what the planner prices recompute by.
         prunable: its recompute is skipped when nothing else in its segment
-            reads its outputs (`graphckpt.rules.LayerRule.prunable`), on a
+            reads its outputs (`graphckpt.estimator.rules.LayerRule.prunable`), on a
             backend whose runtime drops unread ops (TensorFlow:
-            `graphckpt.cost_model.PRUNING_BACKENDS`).
+            `graphckpt.estimator.cost_model.PRUNING_BACKENDS`).
     """
 
     node: tuple
@@ -136,9 +135,9 @@ class MemoryEstimate:
 
 
 # ------------------------------------------------------------------ rules
-# Per-layer rules live in graphckpt.keras_rules and graphckpt.hub_rules (a
-# registry keyed by class, in graphckpt.rules); the rules here look into
-# nested models and, through graphckpt.layers_inside, layers of layers.
+# Per-layer rules live in graphckpt.estimator.keras_rules and graphckpt.estimator.hub_rules (a
+# registry keyed by class, in graphckpt.estimator.rules); the rules here look into
+# nested models and, through graphckpt.estimator.layers_inside, layers of layers.
 
 
 def _nested_rule(layer, ins, outs, batch_size):
@@ -337,7 +336,7 @@ def node_costs(graph, batch_size=None):
     """The per-call costs the planner consumes, at `batch_size`.
 
     Args:
-        graph: a layer-call graph from `graphckpt.graph.build_graph`.
+        graph: a layer-call graph from `graphckpt.graph.build.build_graph`.
         batch_size: examples per step, or None for per-example bytes.
 
     Returns:
@@ -369,7 +368,7 @@ def estimate(
             `input_shape`, else the model's fixed batch size, else a
             per-example estimate.
         graph: the model's layer-call graph, if already built (one from
-            `graphckpt.shapes.sized_graph` is used as it is, unless
+            `graphckpt.graph.shapes.sized_graph` is used as it is, unless
             `input_shape` is given too).
         input_shape: the input shapes to estimate for, batch dimension
             included, as `model.build` takes them: one shape tuple, a list

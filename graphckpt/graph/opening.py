@@ -5,7 +5,7 @@ transformer block written as a `keras.layers.Layer` subclass, Keras's
 `MultiHeadAttention`) is one node of the layer graph, so no cut can fall
 inside it. Calling `type(layer).call(layer, *keras_inputs)` on symbolic
 inputs instead of `layer(...)` records each sublayer call and each op as a
-node of its own: a `Functional` that `graphckpt.graph` then flattens as it
+node of its own: a `Functional` that `graphckpt.graph.build` then flattens as it
 flattens a nested model, the same layer objects and variables in it.
 
 A call is opened only where replaying that graph computes what calling the

@@ -19,7 +19,7 @@ when this module is imported: `keras.saving.load_model` needs no
 docstring says when).
 
 Weights files (`save_weights`, `load_weights`) are the source model's own:
-see `graphckpt/weights.py`. `keras.models.clone_model` clones the source
+see `graphckpt/runtime/weights.py`. `keras.models.clone_model` clones the source
 model and applies the same plan to the clone (see `_clone_for_keras`).
 """
 
@@ -28,11 +28,12 @@ import dataclasses
 import keras
 from keras import tree
 
-from graphckpt import errors, keras_compat, weights
-from graphckpt.graph import build_graph, functional_of, saved_ordinals, tensor_key
+from graphckpt import errors, keras_compat
+from graphckpt.graph.build import build_graph, functional_of, saved_ordinals, tensor_key
+from graphckpt.graph.shapes import plan_graph
 from graphckpt.planner import plan_from_boundaries
-from graphckpt.rewrite import rewrite
-from graphckpt.shapes import plan_graph
+from graphckpt.runtime import weights
+from graphckpt.runtime.rewrite import rewrite
 
 __all__ = ["CheckpointedModel", "checkpointed_model", "uncheckpoint", "plan_to_config", "plan_from_config"]
 
@@ -338,7 +339,7 @@ class CheckpointedModel(keras.Model):
 
     def _segment_rows(self):
         """`(name, recomputed, [layer names])` per plan segment, in order."""
-        from graphckpt.segment import Segment
+        from graphckpt.runtime.segment import Segment
 
         layers = iter(l for l in self.layers if isinstance(l, Segment))
         rows = []
@@ -374,7 +375,7 @@ class CheckpointedModel(keras.Model):
 def _output_name_notes(model):
     """A line for each `OutputName` layer of `model`, which its summary
     lists among the real ones."""
-    from graphckpt.rewrite import OutputName
+    from graphckpt.runtime.rewrite import OutputName
 
     return [
         f"{layer.name} (OutputName): the output '{layer.name}', made inside a segment, under the name the "
@@ -386,7 +387,7 @@ def _output_name_notes(model):
 
 def checkpointed_model(model, graph, plan):
     """The `CheckpointedModel` of `model` (whose layer-call graph is
-    `graph`) for `plan`: `graphckpt.rewrite.rewrite` with this class."""
+    `graph`) for `plan`: `graphckpt.runtime.rewrite.rewrite` with this class."""
     return rewrite(model, graph, plan, CheckpointedModel)
 
 

@@ -1,5 +1,5 @@
 """The estimator's rules for Keras's own layers and ops, registered in
-`graphckpt.rules` when this module is imported (the estimator imports it),
+`graphckpt.estimator.rules` when this module is imported (the estimator imports it),
 and the lookup that also loads keras_hub's rules when one of its layers is
 first met.
 
@@ -15,7 +15,7 @@ import math
 import keras
 
 from graphckpt import keras_compat
-from graphckpt.rules import (
+from graphckpt.estimator.rules import (
     SAVES_INPUT,
     SAVES_OUTPUT,
     LayerRule,
@@ -315,7 +315,7 @@ def find_rule(layer_class):
     Rules for layers of optional packages register when such a layer is
     first met, so that the estimator never imports those packages itself."""
     if layer_class.__module__.startswith("keras_hub."):
-        from graphckpt import hub_rules
+        from graphckpt.estimator import hub_rules
 
         hub_rules.register(layer_class.__module__)
     return registered_rule(layer_class)

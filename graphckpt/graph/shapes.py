@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence
 import networkx as nx
 
 from graphckpt import errors, keras_compat
-from graphckpt.graph import build_graph, dtype_size, functional_of
-from graphckpt.layer_graph import INPUT
+from graphckpt.graph.build import build_graph, dtype_size, functional_of
+from graphckpt.graph.layer_graph import INPUT
 
 __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propagate", "unknown_inputs"]
 
@@ -138,7 +138,7 @@ def parse_input_shape(graph, input_shape, batch_size=None):
     """Checks `input_shape` against the graph's inputs.
 
     Args:
-        graph: a layer-call graph (`graphckpt.graph.build_graph`).
+        graph: a layer-call graph (`graphckpt.graph.build.build_graph`).
         input_shape: one shape tuple (a model with one input), a list of
             shapes in the model's input order, or a dict keyed by input
             name; batch dimension first, as `model.build` takes them. A
@@ -301,7 +301,7 @@ def sized_graph(graph, input_shape=None, batch_size=None, *, stacklevel=2):
     """The graph to estimate and plan with, and the batch size.
 
     Args:
-        graph: a layer-call graph (`graphckpt.graph.build_graph`).
+        graph: a layer-call graph (`graphckpt.graph.build.build_graph`).
         input_shape: the input shapes (see `parse_input_shape`), or None.
         batch_size: the `batch_size=` argument, or None.
         stacklevel: where warnings point, as for `warnings.warn`.

@@ -1,7 +1,7 @@
 """What one layer call's backward pass keeps: the estimator's layer rules.
 
 A rule is a function `rule(layer, inputs, outputs) -> LayerRule`, where
-`inputs` and `outputs` are the call's `graphckpt.graph.TensorInfo`s with
+`inputs` and `outputs` are the call's `graphckpt.graph.build.TensorInfo`s with
 *per-example* byte counts (the batch dimension is the first of `shape`).
 Rules are registered by layer class and found through the class's MRO, so
 a subclass of `Dense` is estimated as a Dense, and a user class that only
@@ -10,8 +10,8 @@ layer with `register_layer_rule`.
 
 This module holds the registry and the building blocks shared by the
 rules (attention, normalization, activations); the rules of Keras's own
-layers and ops are in `graphckpt.keras_rules`, keras_hub's in
-`graphckpt.hub_rules`.
+layers and ops are in `graphckpt.estimator.keras_rules`, keras_hub's in
+`graphckpt.estimator.hub_rules`.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def register_layer_rule(
     Args:
         layer_class: a subclass of `keras.layers.Layer`.
         rule: `rule(layer, inputs, outputs) -> LayerRule`, inputs and
-            outputs as per-example `graphckpt.graph.TensorInfo`s.
+            outputs as per-example `graphckpt.graph.build.TensorInfo`s.
         expensive: whether the layer is matmul-like, for policies that look
             at the class only (`graphckpt.policies.save_expensive`).
 
@@ -129,7 +129,7 @@ def register_builtin_rule(layer_class, rule, expensive=False):
 def registered_rule(layer_class):
     """The `(rule, expensive)` registered for `layer_class` or its nearest
     base class in the MRO, or None. Keras's own rules are registered by
-    `graphckpt.keras_rules`, keras_hub's when `keras_rules.find_rule` first
+    `graphckpt.estimator.keras_rules`, keras_hub's when `keras_rules.find_rule` first
     meets one of its layers."""
     for klass in layer_class.__mro__:
         entry = _REGISTRY.get(klass)

@@ -1,5 +1,5 @@
 """Estimator rules for keras_hub's own layers, registered by
-`graphckpt.keras_rules.find_rule` when the first keras_hub layer is estimated (the
+`graphckpt.estimator.keras_rules.find_rule` when the first keras_hub layer is estimated (the
 estimator never imports keras_hub itself).
 
 keras_hub's transformer blocks (`TransformerDecoder`, `LlamaTransformerDecoder`,
@@ -9,7 +9,8 @@ keras_hub's transformer blocks (`TransformerDecoder`, `LlamaTransformerDecoder`,
 
 import inspect
 
-from graphckpt import keras_compat, rules
+from graphckpt import keras_compat
+from graphckpt.estimator import rules
 
 
 def _grouped_attention(layer, ins, outs):

@@ -12,8 +12,9 @@ import math
 
 import keras
 
-from graphckpt import keras_compat, rules
-from graphckpt.graph import TensorInfo, dtype_size
+from graphckpt import keras_compat
+from graphckpt.estimator import rules
+from graphckpt.graph.build import TensorInfo, dtype_size
 
 __all__ = ["composite_rule"]
 

@@ -28,7 +28,7 @@ class TensorInfo:
     """Static facts about one symbolic tensor.
 
     `nbytes` counts one example (the batch dimension left out); unknown
-    dimensions count as 1 (`graphckpt.shapes.sized_graph` gives every
+    dimensions count as 1 (`graphckpt.graph.shapes.sized_graph` gives every
     tensor its real shape from the input shapes, and warns when it can't).
     """
 
@@ -66,13 +66,13 @@ def _field(name, default=None, doc=""):
 
 
 class LayerGraph(nx.DiGraph):
-    """A model's layer-call graph (see `graphckpt.graph` for its nodes and
+    """A model's layer-call graph (see `graphckpt.graph.build` for its nodes and
     edges). Its fields are set once, by `build_graph` (`fields`) and by
-    `graphckpt.shapes.sized_graph` (`with_tensors`, `shapes_resolved`)."""
+    `graphckpt.graph.shapes.sized_graph` (`with_tensors`, `shapes_resolved`)."""
 
     tensors = property(tensors_of, doc="Tensor key -> `TensorInfo`, for every tensor of the graph.")
     outputs = property(outputs_of, doc="The model's output tensor keys, flattened, in its order.")
-    state_chains = property(state_chains_of, doc="Tuples of calls sharing state (`graphckpt.chains`).")
+    state_chains = property(state_chains_of, doc="Tuples of calls sharing state (`graphckpt.graph.chains`).")
     inputs = _field("inputs", (), "The model's input tensor keys, flattened, in its order.")
     name = _field("name", None, "The model's name.")
     kept_whole = _field("kept_whole", _NONE, "Path of each nested model's call kept one node -> why.")
@@ -81,7 +81,7 @@ class LayerGraph(nx.DiGraph):
     kept_closed = _field("kept_closed", (), "Paths of the composite layer calls kept whole as asked.")
     at_known_shapes = _field("at_known_shapes", False, "Whether some layer was opened at given shapes only.")
     shapes_resolved = _field(
-        "shapes_resolved", False, "Whether `tensors` hold the shapes to plan with (`graphckpt.shapes.sized_graph`)."
+        "shapes_resolved", False, "Whether `tensors` hold the shapes to plan with (`graphckpt.graph.shapes.sized_graph`)."
     )
 
     def set_fields(self, **fields):

@@ -1,7 +1,7 @@
 """The segment layer: one sub-model, run under exact rematerialization.
 
 In training, a `Segment` runs its sub-model through
-`graphckpt.remat.segment_remat` (a custom gradient on TensorFlow, a
+`graphckpt.runtime.remat.segment_remat` (a custom gradient on TensorFlow, a
 `custom_vjp` on JAX, a non-reentrant `torch.utils.checkpoint` on PyTorch;
 `keras.remat` on any other backend), so the backward pass keeps only the
 segment's inputs and recomputes its interior.
@@ -56,8 +56,9 @@ import warnings
 import keras
 from keras import ops
 
-from graphckpt import errors, keras_compat, remat
-from graphckpt.graph import dependencies
+from graphckpt import errors, keras_compat
+from graphckpt.graph.build import dependencies
+from graphckpt.runtime import remat
 
 __all__ = ["Segment"]
 
@@ -218,7 +219,7 @@ class Segment(keras.layers.Layer):
         # Where no mask is given, the one the input carries: Keras attaches
         # masks to tensors, and the layers inside read them from there, as
         # they did in the original model. The rewrite passes none (see
-        # `graphckpt.rewrite`), so each call reads what its inputs carry
+        # `graphckpt.runtime.rewrite`), so each call reads what its inputs carry
         # when it runs.
         masks = [keras_compat.get_keras_mask(x) if m is None else m for x, m in zip(inputs, masks)]
         if not training:

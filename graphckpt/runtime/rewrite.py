@@ -15,8 +15,8 @@ import keras
 from keras import tree
 
 from graphckpt import errors, keras_compat
-from graphckpt.graph import functional_of, live_tensors
-from graphckpt.segment import Segment
+from graphckpt.graph.build import functional_of, live_tensors
+from graphckpt.runtime.segment import Segment
 
 __all__ = ["rewrite", "OutputName"]
 
@@ -272,7 +272,7 @@ def rewrite(model, graph, plan, model_class):
         plan: a `graphckpt.planner.Plan` over `graph`.
         model_class: the new model's class, called as
             `model_class(inputs=, outputs=, source=, plan=, name=)`:
-            `graphckpt.checkpointed.CheckpointedModel`, whose
+            `graphckpt.runtime.checkpointed.CheckpointedModel`, whose
             `checkpointed_model` is the way to call this.
 
     Returns:

@@ -1,5 +1,5 @@
 """Keras functional model -> `LayerGraph` of layer calls
-(`graphckpt.layer_graph`: a `networkx.DiGraph` with typed graph-level fields).
+(`graphckpt.graph.layer_graph`: a `networkx.DiGraph` with typed graph-level fields).
 
 Contract:
 - One node per layer *call* (Keras `Node`), keyed `(layer_name, node_index)`:
@@ -10,7 +10,7 @@ Contract:
   0)`; a model's second flattened call is `"name@1/..."`), so cuts can fall
   inside it. Each call of a model called twice is flattened on its own, and
   its layers are then shared calls like any other. A nested call that could
-  not be replayed call by call exactly (see `graphckpt.nesting.flattenable`: an overridden
+  not be replayed call by call exactly (see `graphckpt.graph.nesting.flattenable`: an overridden
   `call`, extra call arguments, a call of it leading only to outputs
   nothing reads, an input it ignores) stays one node, and
   `graph.kept_whole` says why.
@@ -30,7 +30,7 @@ Contract:
   Dropout; for all Lambda and custom layers, whatever their code may share,
   such as Keras's global seed generator; the mask attached to a tensor its
   readers share), each in Keras's execution order: they must run in that
-  order (`graphckpt.chains`).
+  order (`graphckpt.graph.chains`).
 - `graph.kept_whole` maps the path of each nested model's call that
   stays one node to why (`kept_whole_note` puts it in words for warnings).
 - `graph.tensors` maps each tensor key to a `TensorInfo`; `graph.inputs` /
@@ -48,9 +48,9 @@ The planner reads only `kind`, `position` and the tensor data.
 import math
 
 from graphckpt import keras_compat
-from graphckpt.chains import state_chains
-from graphckpt.layer_graph import INPUT, LAYER, LayerGraph, TensorInfo
-from graphckpt.nesting import called_on, flattenable, functional_of, kept_whole_note, nodes_of
+from graphckpt.graph.chains import state_chains
+from graphckpt.graph.layer_graph import INPUT, LAYER, LayerGraph, TensorInfo
+from graphckpt.graph.nesting import called_on, flattenable, functional_of, kept_whole_note, nodes_of
 
 __all__ = [
     "LayerGraph",
@@ -156,11 +156,11 @@ def _walk_back(calls, needed, variables=True):
 
 class _Builder:
     """Adds the layer calls of a functional model to a graph, flattening
-    nested models' calls (see `graphckpt.nesting.flattenable`)."""
+    nested models' calls (see `graphckpt.graph.nesting.flattenable`)."""
 
     def __init__(self, keep_whole=frozenset(), open_layers=False, known_shapes=None, closed=()):
         self.graph = LayerGraph()
-        self.open_layers = open_layers  # open composite layers (graphckpt.opening): bool or predicate
+        self.open_layers = open_layers  # open composite layers (graphckpt.graph.opening): bool or predicate
         self.closed = frozenset(closed)  # paths of composite layer calls kept whole as asked
         self.kept_closed = []  # those found: the predicate's no's, and `closed`
         self.inside = {}  # opened root -> how many calls inside it so far
@@ -225,7 +225,7 @@ class _Builder:
         import keras
         from keras import tree
 
-        from graphckpt import opening
+        from graphckpt.graph import opening
 
         op = node.operation
         clash = id(op) in self.keep_whole
@@ -299,7 +299,7 @@ def _name_clashes(graph):
     another layer of the graph. Keras needs the layers of one functional
     model to have distinct names, and a segment may hold both: such models
     are kept whole. The calls inside one opened layer's call are replayed
-    in functional models of their own (`graphckpt.rewrite`), so their names
+    in functional models of their own (`graphckpt.runtime.rewrite`), so their names
     need only differ from each other's."""
     by_name = {}
     for _, data in sorted(graph.nodes(data=True), key=lambda item: item[1]["position"]):
@@ -322,14 +322,14 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=()):
             `keras.Sequential`.
         open_layers: also flatten the calls of composite layers (a layer
             whose `call` calls other layers and `keras.ops`) where
-            `graphckpt.opening.open_call` can; `graph.not_opened`
+            `graphckpt.graph.opening.open_call` can; `graph.not_opened`
             says why the others stay one node. A callable `open_layers(layer)
             -> bool` opens only the composite layers it says yes to; the
             paths of the others are in `graph.kept_closed`.
         known_shapes: with `open_layers`, the input shapes of the calls of
             the graph without it (node key -> one shape per input tensor),
             for the layers that trace only at known shapes
-            (`graphckpt.shapes.open_graph` finds them).
+            (`graphckpt.graph.shapes.open_graph` finds them).
         closed: paths of composite layer calls to keep whole (a saved
             plan's `kept_closed`).
 

@@ -5,7 +5,7 @@ A `keras.Model` subclass keeps its graph in Python: `call` calls layers and
 training=True)` records each of those calls as a node: a `Functional` over
 the model's own layer objects and variables, which graphckpt plans and
 rewrites as it does any functional model. The fit flag then routes the
-model's training calls through the checkpointed graph (`graphckpt.fit_flag`),
+model's training calls through the checkpointed graph (`graphckpt.training.flag`),
 so the user's object, its `train_step` and its `compile` stay in charge.
 
 A trace stands in for `call` only where it computes the same thing; it is
@@ -38,7 +38,8 @@ from typing import NamedTuple
 import keras
 from keras import tree
 
-from graphckpt import errors, keras_compat, opening
+from graphckpt import errors, keras_compat
+from graphckpt.graph import opening
 
 __all__ = ["Traced", "trace_model", "is_subclassed", "nested_models", "warn_untraced_call"]
 

@@ -1,12 +1,12 @@
 """Layer calls that share state, which must run in Keras's order.
 
 `state_chains(graph)` is `graph.state_chains` (see
-`graphckpt.graph`); the planner keeps the calls of each chain in their order
+`graphckpt.graph.build`); the planner keeps the calls of each chain in their order
 (`graphckpt.planner.data.topological_order`), and the rewrite runs them so.
 """
 
 from graphckpt import keras_compat
-from graphckpt.layer_graph import INPUT
+from graphckpt.graph.layer_graph import INPUT
 
 __all__ = ["state_chains"]
 

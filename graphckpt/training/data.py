@@ -92,8 +92,8 @@ def checked_shapes(model, shapes):
     warning: `fit` itself will say what is wrong with the data."""
     if shapes is None:
         return None
-    from graphckpt.graph import build_graph
-    from graphckpt.shapes import parse_input_shape
+    from graphckpt.graph.build import build_graph
+    from graphckpt.graph.shapes import parse_input_shape
 
     try:
         parse_input_shape(build_graph(model), shapes)

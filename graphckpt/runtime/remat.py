@@ -1,0 +1,44 @@
+"""Rematerialization of one function, per backend: the forward pass keeps
+only the function's arguments, and the backward pass recomputes it.
+
+`segment_remat` picks the backend's: on TensorFlow a custom gradient
+(`tf_remat`), on JAX a `custom_vjp` (`jax_remat`), on PyTorch a
+non-reentrant `torch.utils.checkpoint` (`torch_remat`), one module per
+backend (`remat_tensorflow`, `remat_jax`, `remat_torch`). Each recomputes
+from the forward pass's own values (the segment's inputs and its variable
+reads), and each makes the recompute depend on the incoming gradient, so
+that no compiler moves it into the forward pass. `graphckpt.runtime.segment` says
+what goes in and comes out.
+"""
+
+import keras
+
+from graphckpt.runtime.remat_jax import jax_remat
+from graphckpt.runtime.remat_tensorflow import tf_remat
+from graphckpt.runtime.remat_torch import torch_remat
+
+__all__ = ["segment_remat"]
+
+
+def segment_remat(f, n_inputs):
+    """`f`, rematerialized on the current backend.
+
+    Args:
+        f: a function of tensors returning a tuple of tensors. On
+            TensorFlow its recompute is called with a keyword `tie`: a
+            function that returns a list of tensors unchanged but ordered
+            after the incoming gradients (`_tie_closed`). `f` passes every value
+            it closes over through it (state snapshots, integer inputs), so
+            that no part of the recompute can run before the gradient
+            exists; a forward call gets no `tie`.
+        n_inputs: how many leading arguments are the segment's inputs; the
+            rest are the values its trainable variables were read as.
+    """
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return tf_remat(f, n_inputs)
+    if backend == "jax":
+        return jax_remat(f, n_inputs)
+    if backend == "torch":
+        return torch_remat(f)
+    return keras.remat(f)

@@ -1,0 +1,155 @@
+"""Rematerialization on TensorFlow: a custom gradient that recomputes a
+segment from the forward pass's own values, with the recompute ordered
+after the incoming gradients (`tf_tie`). `graphckpt.runtime.remat` says
+what goes in and comes out."""
+
+from graphckpt import keras_compat
+
+__all__ = ["tf_remat", "tf_tie"]
+
+
+def tf_remat(f, n_inputs):
+    """On TensorFlow: a custom gradient that recomputes `f`
+    from its arguments, the segment's inputs then the values its trainable
+    variables were read as in the forward pass.
+
+    The variables are read once, in the forward pass, and the recompute
+    uses those reads, as a plain graph's backward pass uses its forward
+    reads: nothing could order a second read before the optimizer's updates
+    of the same step, and under load TensorFlow's executor would sometimes
+    run an update first (docs/limitations.md).
+
+    The segment's input gradients are returned only after its weight
+    gradients exist (a control dependency), so at most one recomputed
+    interior is alive at a time; `tf.recompute_grad` orders a recompute
+    after the gradient of its output only, and the peak then depends on
+    the executor's schedule (docs/benchmarks.md, "Recompute order").
+    Gradients are unchanged.
+
+    What `f` closes over is tied as well, through its `tie` keyword
+    (`_tie_closed`): a recompute's random masks come from a closed-over seed
+    snapshot and a causal mask from a closed-over integer input, and no op
+    of the recompute, these included, runs before the incoming gradient
+    exists (docs/benchmarks.md, "Nested models and keras_hub").
+
+    Args:
+        f: a function of tensors returning a tuple of tensors.
+        n_inputs: how many leading arguments are the segment's inputs (each
+            gets a gradient, zeros where none flows); the rest are variable
+            reads, whose gradient stays None where none flows, as the
+            original's does (optimizers skip None).
+    """
+    import tensorflow as tf
+    context, record = keras_compat.tf_eager_internals()
+
+    @tf.custom_gradient
+    def inner(*args):
+        with record.stop_recording():
+            result = f(*args)
+
+        def grad(*dresult, variables=None):
+            with tf.GradientTape() as tape:
+                inputs = [tf.identity(x) for x in args[:n_inputs]]
+                tie = {}
+                if not context.executing_eagerly():
+                    # As tf.recompute_grad: recompute once dresult exists,
+                    # a data dependency, tied as on JAX: a select on the
+                    # gradients' bits, which XLA cannot fold (`tf_tie`).
+                    inputs = tf_tie(inputs, dresult)
+                    tie = {"tie": lambda tensors: _tie_closed(tensors, dresult)}
+                id_args = inputs + list(args[n_inputs:])
+                tape.watch(id_args)
+                if variables:
+                    tape.watch(variables)
+                recomputed = f(*id_args, **tie)
+            # NONE, not tf.recompute_grad's ZERO: a variable that reaches no
+            # output (say, only through stop_gradient) gets None, as in the
+            # original, which optimizers skip; a zero would be applied.
+            grads = tape.gradient(
+                recomputed,
+                id_args + list(variables or []),
+                output_gradients=dresult,
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
+            )
+            g_inputs = [tf.zeros_like(x) if g is None else g for x, g in zip(args, grads[:n_inputs])]
+            g_weights = grads[n_inputs:]
+            computed = [g for g in g_weights if g is not None]
+            if computed and not context.executing_eagerly():
+                with tf.control_dependencies(computed):
+                    g_inputs = [tf.identity(g) for g in g_inputs]
+            g_args = g_inputs + g_weights[: len(args) - n_inputs]
+            return g_args, g_weights[len(args) - n_inputs :]
+
+        return result, grad
+
+    return inner
+
+
+# Integer and boolean values a recompute closes over up to this many
+# elements (seed states: 2) are tied by a select, which copies them.
+_SELECT_MAX_ELEMENTS = 1 << 16
+
+
+def _tie_closed(tensors, gradients):
+    """What a recompute closes over, tied to the gradients: small integers
+    and booleans of known size (seed states) by `tf_tie`'s select, a data
+    dependency XLA keeps; everything else (frozen weights, moving
+    statistics, token ids, an attention-mask input of any size) by a
+    control dependency, which copies nothing and orders TensorFlow's
+    executor, though not XLA."""
+    import tensorflow as tf
+
+    def small(x):
+        return (
+            (x.dtype.is_integer or x.dtype.is_bool)
+            and x.shape.is_fully_defined()
+            and x.shape.num_elements() <= _SELECT_MAX_ELEMENTS
+        )
+
+    dense = [i for i, x in enumerate(tensors) if isinstance(x, tf.Tensor)]
+    selected = [i for i in dense if small(tensors[i])]
+    out = list(tensors)
+    for i, x in zip(selected, tf_tie([tensors[i] for i in selected], gradients)):
+        out[i] = x
+    after = [g for g in gradients if g is not None]
+    ordered = sorted(set(dense) - set(selected))
+    if after and ordered:
+        with tf.control_dependencies(after):
+            for i in ordered:
+                out[i] = tf.identity(out[i])
+    return out
+
+
+def tf_tie(tensors, gradients):
+    """`tensors`, with their values bit for bit, as results of the
+    gradients: TensorFlow's `jax_tie`.
+
+    Ties on every gradient, not only the first: TensorFlow fills an unused
+    result's with zeros made in the forward pass (probabilities whose loss
+    reads logits), and a tie on those alone would not wait for the
+    backward pass. A select keeps every value (-0.0 too, which `x + 0`
+    made +0.0)."""
+    import tensorflow as tf
+
+    # The first element of each gradient, or 0 where it has none (a size
+    # TensorFlow may know only at run time).
+    bits = [
+        tf.bitcast(tf.cast(tf.concat([tf.reshape(g, [-1])[:1], tf.zeros([1], g.dtype)], 0)[:1], tf.float32), tf.uint32)
+        for g in gradients
+        if g is not None and g.dtype.is_floating
+    ]
+    if not bits:
+        return list(tensors)
+    u = bits[0]
+    for b in bits[1:]:
+        u = tf.bitwise.bitwise_or(u, b)
+    keep = tf.reshape(tf.not_equal(tf.bitwise.bitwise_or(u, 1), 0), [])
+
+    def tied(x):
+        # Dense numbers and booleans; strings, resources and composite
+        # tensors (sparse, ragged) pass as they are.
+        if not isinstance(x, tf.Tensor) or not (x.dtype.is_numeric or x.dtype.is_bool):
+            return x
+        return tf.where(keep, x, tf.zeros([], x.dtype))  # no full-size zeros
+
+    return [tied(x) for x in tensors]
