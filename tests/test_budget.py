@@ -39,7 +39,7 @@ MODES = pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 
 
 def random_dag(rng, n):
-    """A random DAG in graph.py's schema: node "x" is the model input, nodes
+    """A random DAG in graph/layer_graph.py's schema: node "x" is the model input, nodes
     n0..n{n-1} are layer calls, each making one tensor; a call reads 1-2
     earlier tensors. The last call is the model output, plus sometimes one
     more."""

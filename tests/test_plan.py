@@ -16,7 +16,7 @@ from tests import models
 
 
 def literal_graph(edges, sizes=None, outputs=None):
-    """A graph in graph.py's schema from an edge list of node names.
+    """A graph in graph/layer_graph.py's schema from an edge list of node names.
 
     Each node makes one tensor named after it; `sizes` gives its bytes
     (default 1). Nodes without predecessors are model inputs.

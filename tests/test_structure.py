@@ -3,41 +3,18 @@
 import ast
 import pathlib
 
+import shutil
+
 import networkx as nx
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "graphckpt"
+from tests import structure
+from tests.structure import PACKAGE, import_graph
+
 MAX_LINES = 450  # "about 400": the brief's limit, with room for a docstring
 
 
-def _module(path):
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _import_graph():
-    """graphckpt module -> graphckpt modules it imports anywhere in its
-    code (function-level imports included: a lazy import is still a
-    dependency)."""
-    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
-    graph = nx.DiGraph()
-    for name, path in modules.items():
-        graph.add_node(name)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                # `from graphckpt import errors` imports graphckpt.errors;
-                # `from graphckpt import plan` would import graphckpt itself.
-                subs = [f"{node.module}.{a.name}" for a in node.names]
-                targets = [t for t in subs if t in modules] or [node.module]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            graph.add_edges_from((name, t) for t in targets if t in modules and t != name)
-    return graph
-
-
 def test_the_import_graph_is_found():
-    graph = _import_graph()
+    graph = import_graph()
     # The checks below are only as good as the graph: it must see known edges.
     assert graph.has_edge("graphckpt.runtime.checkpointed", "graphckpt.runtime.rewrite")
     assert graph.has_edge("graphckpt.estimator.peak", "graphckpt.estimator.keras_rules")
@@ -45,8 +22,34 @@ def test_the_import_graph_is_found():
 
 
 def test_no_import_cycle():
-    graph = _import_graph()
+    graph = import_graph()
     assert list(nx.simple_cycles(graph)) == []
+
+
+def test_units_import_only_lower_layers():
+    """graph -> planner -> estimator | runtime -> api -> training -> cli
+    (tests/structure.py, `LAYERS`): runtime never imports the estimator, the
+    planner imports only the graph's Keras-free contract, and every new
+    top-level module or package must be given a layer."""
+    assert structure.violations() == []
+
+
+def test_a_planted_back_import_is_found(tmp_path):
+    """The graph imports nothing of the runtime; one line that does, and a
+    new top-level module no layer names, are each reported."""
+    copy = tmp_path / "graphckpt"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.json"))
+    assert structure.violations(copy) == []
+    build = copy / "graph" / "build.py"
+    build.write_text(build.read_text() + "\n\ndef _late():\n    from graphckpt.runtime import segment\n")
+    (copy / "helpers.py").write_text("from graphckpt import errors\n")
+    assert structure.violations(copy) == ["helpers: in no layer of LAYERS", "graph -> runtime"]
+
+
+def test_how_it_works_shows_the_layers_as_the_imports_make_them():
+    """docs/how-it-works.md's table is generated from the code: after a
+    move, `python -m tests.structure` rewrites it."""
+    assert structure.documented() == structure.layers_markdown()
 
 
 def test_no_module_has_the_name_of_a_public_function_or_class():

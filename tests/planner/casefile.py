@@ -70,7 +70,7 @@ def encode_graph(graph):
 
 
 def decode_graph(data):
-    """The inverse of `encode_graph`: a `networkx.DiGraph` in graph.py's schema."""
+    """The inverse of `encode_graph`: a `networkx.DiGraph` in graph/layer_graph.py's schema."""
     g = nx.DiGraph()
     for node in data["nodes"]:
         g.add_node(_dec(node["key"]), kind=node["kind"], position=node["position"])
@@ -185,7 +185,7 @@ def case_paths():
 
 
 def random_graph(seed, n):
-    """A random DAG in graph.py's schema (one tensor per call, 1-3 inputs,
+    """A random DAG in graph/layer_graph.py's schema (one tensor per call, 1-3 inputs,
     a side output sometimes), with random costs; unit compute on even seeds
     so that many plans tie."""
     rnd = random.Random(seed)

@@ -37,7 +37,7 @@ def random_costs(rnd, graph, names, compute, **fields):
 
 
 def dag(n, reads, side_output):
-    """A layer-call graph in graph.py's schema: the input `x`, then calls
+    """A layer-call graph in graph/layer_graph.py's schema: the input `x`, then calls
     `n0` .. `n{n-1}`, each making one 4-byte tensor and reading the one
     before it and `reads(i, earlier)` (a set drawn from `earlier`, the
     tensors made before call i); the last call is an output, and so is
@@ -61,7 +61,7 @@ def dag(n, reads, side_output):
 
 
 def random_dag(rnd, n, chain):
-    """A layer-call graph in graph.py's schema: a chain, or a random DAG
+    """A layer-call graph in graph/layer_graph.py's schema: a chain, or a random DAG
     (calls reading 1-3 earlier tensors, a side output sometimes)."""
     return dag(
         n,
