@@ -8,8 +8,25 @@ keys (the hand-built graphs of the planner's tests) reads the same through
 the accessor functions below, which the pure planner uses. Nothing here
 imports Keras.
 
-Node kinds (node attribute `kind`): `INPUT`, a model input, and `LAYER`,
-any other call (a layer's, an op's, or a nested model's kept whole).
+Nodes are layer calls keyed `(layer_path, node_index)`; their attributes
+(`graph.nodes[key][...]`, set by `graphckpt.graph.build`):
+- `kind`: `INPUT`, a model input, or `LAYER`, any other call (a layer's,
+  an op's, or a nested model's kept whole);
+- `position`: the call's index in Keras's own order of calls;
+- `layer`, `class_name`, `node`: the called operation, its class name and
+  its Keras `Node`;
+- `in_keys`, `out_keys`: the keys of the tensors it reads and makes, in
+  argument and output order (`TensorInfo.key`);
+- `training`: the training flag the call gets when it is replayed, where
+  an enclosing nested model fixes it, else None;
+- `scope`: the nested model or opened layer the call was flattened from
+  (the innermost), or None;
+- `opened`, `opened_root`: for a call inside an opened composite layer, the
+  path prefix of the innermost and of the outermost opened layer
+  (`"block/mha/"`), else None.
+An edge `producer -> consumer` has one attribute, `tensors`: the keys of the
+tensors the consumer reads from the producer. The planner reads only
+`kind`, `position` and `tensors`.
 """
 
 import dataclasses
