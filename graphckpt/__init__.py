@@ -28,6 +28,7 @@ from graphckpt.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     NotAModelError,
+    UnknownDimensionWarning,
     UnsupportedModelError,
     WeightsFileError,
     WeightsFileNotFoundError,
@@ -79,6 +80,7 @@ __all__ = [
     "WeightsFileError",
     "WeightsFileNotFoundError",
     "GraphckptWarning",
+    "UnknownDimensionWarning",
 ]
 
 

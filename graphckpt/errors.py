@@ -17,6 +17,7 @@ __all__ = [
     "WeightsFileError",
     "WeightsFileNotFoundError",
     "GraphckptWarning",
+    "UnknownDimensionWarning",
 ]
 
 
@@ -56,3 +57,7 @@ class WeightsFileNotFoundError(WeightsFileError, FileNotFoundError):
 
 class GraphckptWarning(UserWarning):
     """Base class of graphckpt's warnings."""
+
+
+class UnknownDimensionWarning(GraphckptWarning):
+    """Estimates count an unknown non-batch dimension as 1."""

@@ -22,10 +22,11 @@ END = "<!-- /layers -->"
 
 # Units by layer, bottom first. "graphckpt" is the package's face (its
 # __init__.py): it imports the errors only and binds the public names on
-# first use, so that `import graphckpt` needs no framework.
+# first use, so that `import graphckpt` needs no framework. "shapes" is a
+# deprecated alias (`graphckpt.shapes.UnknownDimensionWarning`).
 LAYERS = (
     ("errors", "keras_compat"),
-    ("graphckpt", "graph"),
+    ("graphckpt", "graph", "shapes"),
     ("planner",),
     ("estimator", "runtime"),
     ("policies",),

@@ -17,9 +17,9 @@ import pytest
 from keras import layers
 
 import graphckpt
-from graphckpt import cli
+from graphckpt import UnknownDimensionWarning, cli
 from graphckpt.graph.build import build_graph
-from graphckpt.graph.shapes import UnknownDimensionWarning, parse_input_shape, sized_graph
+from graphckpt.graph.shapes import parse_input_shape, sized_graph
 from tests.helpers import compare_step, to_numpy
 from tests.untouched import Snapshot
 
@@ -438,3 +438,17 @@ def test_gpt2_backbone_plans_and_trains_exactly_at_real_shapes():
     assert [sized.tensors[k].shape for k in sized.outputs] == [(2, 64, 32)]
     x = {"token_ids": tokens(2, 64), "padding_mask": np.ones((2, 64), "int32")}
     compare_step(model, ck, x)
+
+
+def test_the_former_home_of_the_warning_is_a_deprecated_alias():
+    """`graphckpt.shapes.UnknownDimensionWarning` (documented before the
+    modules moved into packages) still names the same class, with a
+    DeprecationWarning that says what to use."""
+    import importlib
+    import sys
+
+    sys.modules.pop("graphckpt.shapes", None)
+    with pytest.warns(DeprecationWarning, match="graphckpt.UnknownDimensionWarning"):
+        alias = importlib.import_module("graphckpt.shapes")
+    assert alias.UnknownDimensionWarning is graphckpt.UnknownDimensionWarning
+    assert issubclass(graphckpt.UnknownDimensionWarning, graphckpt.GraphckptWarning)

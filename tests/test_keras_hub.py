@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import graphckpt
-from graphckpt.graph.shapes import UnknownDimensionWarning
+from graphckpt import UnknownDimensionWarning
 from graphckpt.runtime.segment import Segment
 from graphckpt.training.flag import _CACHE_ATTR
 from tests.helpers import compare_step, to_numpy

@@ -1,8 +1,6 @@
 """The package's shape: imports flow one way and modules stay small."""
 
 import ast
-import pathlib
-
 import shutil
 
 import networkx as nx

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 import networkx as nx
 
 from graphckpt import errors, keras_compat
+from graphckpt.errors import UnknownDimensionWarning
 from graphckpt.graph.build import build_graph, dtype_size, functional_of
 from graphckpt.graph.layer_graph import INPUT
 
@@ -54,10 +55,6 @@ _TIP = (
     "`--input-shape 8,512` on the command line. The fit flag reads them from arrays and "
     "tf.data datasets; with other data, fit `graphckpt.checkpoint_model(model, input_shape=...)`."
 )
-
-
-class UnknownDimensionWarning(errors.GraphckptWarning):
-    """Estimates count an unknown non-batch dimension as 1."""
 
 
 def _is_dim(d):
