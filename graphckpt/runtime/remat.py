@@ -13,11 +13,14 @@ what goes in and comes out.
 
 import keras
 
+from graphckpt.runtime import remat_jax, remat_tensorflow, remat_torch
 from graphckpt.runtime.remat_jax import jax_remat
 from graphckpt.runtime.remat_tensorflow import tf_remat
 from graphckpt.runtime.remat_torch import torch_remat
 
-__all__ = ["segment_remat"]
+__all__ = ["segment_remat", "snapshot", "components"]
+
+_BACKENDS = {"tensorflow": remat_tensorflow, "jax": remat_jax, "torch": remat_torch}
 
 
 def segment_remat(f, n_inputs):
@@ -42,3 +45,19 @@ def segment_remat(f, n_inputs):
     if backend == "torch":
         return torch_remat(f)
     return keras.remat(f)
+
+
+def snapshot(variable):
+    """The variable's current value, as a tensor that later assignments to
+    the variable cannot change."""
+    module = _BACKENDS.get(keras.backend.backend())
+    return variable.value if module is None else module.snapshot(variable.value)
+
+
+def components(x):
+    """`x`'s component tensors, and a function that builds `x` again from
+    new ones: a sparse tensor's (TensorFlow's `SparseTensor`: indices,
+    values, shape; JAX's `BCOO`: data, indices), or `[x]` for a tensor."""
+    module = _BACKENDS.get(keras.backend.backend())
+    found = None if module is None else module.components(x)
+    return found or ([x], lambda parts: parts[0])

@@ -1,9 +1,27 @@
 """Rematerialization on JAX: a `jax.custom_vjp` whose backward pass
 recomputes a segment from arguments tied to the incoming cotangents, and
-the helpers that keep XLA from moving or fusing that recompute away.
+the helpers that keep XLA from moving or fusing that recompute away, and
+the value helpers a segment uses on JAX (`snapshot`, `components`).
 `graphckpt.runtime.remat` says what goes in and comes out."""
 
-__all__ = ["jax_remat", "jax_tie", "jax_materialize"]
+__all__ = ["jax_remat", "jax_tie", "jax_materialize", "snapshot", "components"]
+
+
+def snapshot(value):
+    """A variable's `value` as it is now: JAX arrays are immutable."""
+    return value
+
+
+def components(x):
+    """A `BCOO`'s (any `JAXSparse`'s) leaves and a function that builds it
+    again from new ones; None for a dense array."""
+    import jax
+    from jax.experimental import sparse
+
+    if not isinstance(x, sparse.JAXSparse):
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    return leaves, lambda parts: jax.tree_util.tree_unflatten(treedef, parts)
 
 
 def jax_remat(f, n_tied):

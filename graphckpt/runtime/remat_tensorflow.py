@@ -1,11 +1,31 @@
 """Rematerialization on TensorFlow: a custom gradient that recomputes a
 segment from the forward pass's own values, with the recompute ordered
-after the incoming gradients (`tf_tie`). `graphckpt.runtime.remat` says
-what goes in and comes out."""
+after the incoming gradients (`tf_tie`), and the value helpers a segment
+uses on TensorFlow (`snapshot`, `components`). `graphckpt.runtime.remat`
+says what goes in and comes out."""
 
 from graphckpt import keras_compat
 
-__all__ = ["tf_remat", "tf_tie"]
+__all__ = ["tf_remat", "tf_tie", "snapshot", "components"]
+
+
+def snapshot(value):
+    """A copy of a variable's `value` that later assignments cannot change."""
+    import tensorflow as tf
+
+    return tf.identity(value)
+
+
+def components(x):
+    """A `SparseTensor`'s or `RaggedTensor`'s component tensors and a
+    function that builds it again from new ones; None for a dense tensor."""
+    import tensorflow as tf
+
+    if not isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
+        return None
+    return tf.nest.flatten(x, expand_composites=True), (
+        lambda parts: tf.nest.pack_sequence_as(x, parts, expand_composites=True)
+    )
 
 
 def tf_remat(f, n_inputs):

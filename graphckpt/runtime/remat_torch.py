@@ -1,8 +1,20 @@
 """Rematerialization on PyTorch: a non-reentrant `torch.utils.checkpoint`
-without early stop. `graphckpt.runtime.remat` says what goes in and comes
-out."""
+without early stop, and the value helpers a segment uses on PyTorch
+(`snapshot`, `components`). `graphckpt.runtime.remat` says what goes in
+and comes out."""
 
-__all__ = ["torch_remat"]
+__all__ = ["torch_remat", "snapshot", "components"]
+
+
+def snapshot(value):
+    """A copy of a variable's `value` that later in-place assignments cannot
+    change, outside autograd."""
+    return value.detach().clone()
+
+
+def components(x):
+    """None: Keras's PyTorch backend has no sparse inputs."""
+    return None
 
 
 def torch_remat(f):

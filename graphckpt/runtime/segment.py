@@ -63,20 +63,6 @@ from graphckpt.runtime import remat
 __all__ = ["Segment"]
 
 
-def _snapshot(variable):
-    """The variable's current value, as a tensor that later assignments to
-    the variable cannot change."""
-    backend = keras.backend.backend()
-    value = variable.value
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.identity(value)
-    if backend == "torch":
-        return value.detach().clone()
-    return value  # jax and numpy arrays are immutable
-
-
 @contextlib.contextmanager
 def _no_autocast():
     """Leaves any autocast scope for the duration.
@@ -96,28 +82,6 @@ def _no_autocast():
 
 def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
-
-
-def _components(x):
-    """`x`'s component tensors, and a function that builds `x` again from
-    new ones: a sparse tensor's (TensorFlow's `SparseTensor`: indices,
-    values, shape; JAX's `BCOO`: data, indices), or `[x]` for a tensor."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        if isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):
-            return tf.nest.flatten(x, expand_composites=True), (
-                lambda parts: tf.nest.pack_sequence_as(x, parts, expand_composites=True)
-            )
-    elif backend == "jax":
-        import jax
-        from jax.experimental import sparse
-
-        if isinstance(x, sparse.JAXSparse):
-            leaves, treedef = jax.tree_util.tree_flatten(x)
-            return leaves, lambda parts: jax.tree_util.tree_unflatten(treedef, parts)
-    return [x], lambda parts: parts[0]
 
 
 def _global_seed_state():
@@ -235,7 +199,7 @@ class Segment(keras.layers.Layer):
         state += [v for v in generator if all(v is not s for s in state)]
         trainable = [v for v in model.variables if v.trainable]
         with _no_autocast():
-            snapshot = [_snapshot(v) for v in state]
+            snapshot = [remat.snapshot(v) for v in state]
         backend = keras.backend.backend()
         # `closed`: (variable, value) pairs the function closes over;
         # `passed`: those whose values are its arguments, after the inputs.
@@ -252,12 +216,12 @@ class Segment(keras.layers.Layer):
             # variables no output depends on are read as snapshots instead.
             unread = self._unread_trainable()
             with _no_autocast():
-                closed += [(v, _snapshot(v)) for v in unread]
+                closed += [(v, remat.snapshot(v)) for v in unread]
                 if backend == "tensorflow":
                     # Read once, here; the recompute reuses the reads (see
                     # `remat.tf_remat`), and their gradients reach the variables.
                     unread_ids = {id(v) for v in unread}
-                    passed = [(v, _snapshot(v)) for v in trainable if id(v) not in unread_ids]
+                    passed = [(v, remat.snapshot(v)) for v in trainable if id(v) not in unread_ids]
         if backend == "jax":
             # Everything is an argument, so that `remat.jax_remat` ties the
             # inputs to the cotangents (integer ones too: an Embedding's
@@ -268,7 +232,7 @@ class Segment(keras.layers.Layer):
         # shape): the float ones are arguments, so gradients reach them.
         parts, packs = [], []
         for x in inputs:
-            components, pack = _components(x)
+            components, pack = remat.components(x)
             packs.append((len(parts), len(components), pack))
             parts += components
         float_idx = [i for i, x in enumerate(parts) if backend == "jax" or _is_float(x)]
