@@ -73,9 +73,9 @@ def main():
     from graphckpt.planner import (
         BudgetInfeasible,
         MemoryModel,
-        nested,
         plan_for_budget,
         smallest_peak,
+        two_level,
     )
 
     for name in args.families.split(","):
@@ -99,7 +99,7 @@ def main():
             print(f"| {k} | x{(value + costs.fixed) / base:.3f} | {shown} |")
         if fixed_from:
             print(f"a fixed point at {fixed_from} levels: the last bound holds for any number of levels")
-        print(f"one call's backward alone (`nested._one_call_floor`): x{(nested._one_call_floor(memory) + costs.fixed) / base:.3f}")
+        print(f"one call's backward alone (`two_level._one_call_floor`): x{(two_level._one_call_floor(memory) + costs.fixed) / base:.3f}")
         print(f"(graphckpt {graphckpt.__version__}; plans cut one topological order)\n", flush=True)
 
 

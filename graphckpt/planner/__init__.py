@@ -23,7 +23,7 @@ Contract:
   The package uses numpy for the span tables, never Keras.
 
 Inside: `data` (the plan) -> `memory` (the memory model) -> `search` ->
-`front` -> `nested` -> `budget_search`; this module re-exports their public
+`front` -> `two_level` -> `budget_search`; this module re-exports their public
 names, and `graphckpt.plan(model, ...)` is the Keras-facing entry point.
 
 References:

@@ -5,7 +5,7 @@ calls and which segments to recompute so that the memory model's peak
 (`graphckpt.planner.memory`) fits a budget and the forward cost recomputed
 is least; `smallest_peak` is the least peak any plan of one level reaches.
 When no plan of one level fits, segments are cut again
-(`graphckpt.planner.nested`). This module never imports Keras; it uses
+(`graphckpt.planner.two_level`). This module never imports Keras; it uses
 numpy.
 """
 
@@ -18,8 +18,8 @@ from graphckpt import errors
 from graphckpt.planner.data import plan_from_boundaries
 from graphckpt.planner.front import least_recompute
 from graphckpt.planner.memory import memory_model_for
-from graphckpt.planner.nested import plan_two_level, smallest_two_level
 from graphckpt.planner.search import least_peak
+from graphckpt.planner.two_level import plan_two_level, smallest_two_level
 
 __all__ = ["BudgetInfeasible", "plan_for_budget", "smallest_peak"]
 
@@ -93,7 +93,7 @@ def plan_for_budget(graph, costs, budget_bytes, *, keep=(), strategy="budget", m
         memory: a `MemoryModel` of `graph` and `costs` to reuse, if at hand
             (its tables take O(n^2) to build).
         two_level: when no plan of one level fits, look for one whose
-            recomputed segments are cut again (`graphckpt.planner.nested`).
+            recomputed segments are cut again (`graphckpt.planner.two_level`).
 
     Returns:
         A `Plan` whose `estimated_peak_bytes` is at most `budget_bytes`.
