@@ -51,6 +51,7 @@ never takes the rematerialization path.
 
 import contextlib
 import re
+import typing
 import warnings
 
 import keras
@@ -82,6 +83,24 @@ def _no_autocast():
 
 def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
+
+
+class _Layout(typing.NamedTuple):
+    """What one run of a segment's function returns, in order: its outputs
+    (`n_out`, floating ones first: `out_order`), the logits of the outputs
+    `with_logits`, the masks of the outputs `masked` and of the inputs whose
+    masks the layers `replaced` (`cleared`: removed), the new values of the
+    state variables `updated`, and `n_losses` losses. The forward pass and
+    its recompute must agree on it."""
+
+    n_out: int
+    masked: tuple
+    updated: tuple
+    n_losses: int
+    out_order: tuple
+    with_logits: tuple
+    cleared: tuple
+    replaced: tuple
 
 
 def _global_seed_state():
@@ -286,21 +305,21 @@ class Segment(keras.layers.Layer):
                 # id, which that clear would then drop from the scope of a
                 # later, unrelated call. Forget them now.
                 keras_compat.clear_losses(model)
-            found = (
-                len(outs),
-                tuple(i for i, m in enumerate(out_masks) if m is not None),
-                tuple(updated),
-                len(losses),
+            found = _Layout(
+                n_out=len(outs),
+                masked=tuple(i for i, m in enumerate(out_masks) if m is not None),
+                updated=tuple(updated),
+                n_losses=len(losses),
                 # Floating outputs first: in graph mode `tf.recompute_grad`
                 # reads the gradient of the *first* result, which must not be
                 # the (absent) gradient of a boolean or integer output.
-                tuple(sorted(range(len(outs)), key=lambda i: not _is_float(outs[i]))),
+                out_order=tuple(sorted(range(len(outs)), key=lambda i: not _is_float(outs[i]))),
                 # Softmax and sigmoid outputs carry their logits, which
                 # crossentropy losses read instead of clipped probabilities.
-                tuple(i for i, x in enumerate(out_logits) if x is not None),
+                with_logits=tuple(i for i, x in enumerate(out_logits) if x is not None),
                 # Inputs whose masks the layers removed, and replaced.
-                tuple(i for i in changed if in_masks[i] is None),
-                tuple(i for i in changed if in_masks[i] is not None),
+                cleared=tuple(i for i in changed if in_masks[i] is None),
+                replaced=tuple(i for i in changed if in_masks[i] is not None),
             )
             if layout.setdefault("found", found) != found:
                 raise RuntimeError(
@@ -308,10 +327,10 @@ class Segment(keras.layers.Layer):
                     f"than its forward pass ({found} vs {layout['found']})."
                 )
             # Masks travel as floats: no gradient, no bool arithmetic in remat.
-            float_masks = [ops.cast(out_masks[i], "float32") for i in found[1]]
-            float_masks += [ops.cast(in_masks[i], "float32") for i in found[7]]
-            logits = [out_logits[i] for i in found[5]]
-            return tuple([outs[i] for i in found[4]] + logits + float_masks + new_state + losses)
+            float_masks = [ops.cast(out_masks[i], "float32") for i in found.masked]
+            float_masks += [ops.cast(in_masks[i], "float32") for i in found.replaced]
+            logits = [out_logits[i] for i in found.with_logits]
+            return tuple([outs[i] for i in found.out_order] + logits + float_masks + new_state + losses)
 
         args = [parts[i] for i in float_idx]
         results = list(remat.segment_remat(forward, len(args))(*args, *[x for _, x in passed]))
