@@ -30,7 +30,7 @@ def segment_remat(f, n_inputs):
         f: a function of tensors returning a tuple of tensors. On
             TensorFlow its recompute is called with a keyword `tie`: a
             function that returns a list of tensors unchanged but ordered
-            after the incoming gradients (`_tie_closed`). `f` passes every value
+            after the incoming gradients (`remat_tensorflow._tie_closed`). `f` passes every value
             it closes over through it (state snapshots, integer inputs), so
             that no part of the recompute can run before the gradient
             exists; a forward call gets no `tie`.
