@@ -38,8 +38,7 @@ demo: $(VENV)/.installed-$(DEMO_BACKEND)
 # tests marked `backends` run again under JAX and PyTorch, and on TensorFlow
 # with the oldest Keras of pyproject's range and with keras-nightly, each in
 # its own pytest process (Keras fixes the backend at import), in two lanes
-# at once (.ci/lanes.sh: the TensorFlow suite and the nightly beside the
-# rest). Every run
+# at once (.ci/lanes.sh says which run goes in which lane). Every run
 # goes on even if an earlier one failed.
 OTHER_BACKENDS ?= jax torch
 # The oldest Keras of pyproject's range (the venv has the newest), put first

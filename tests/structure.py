@@ -105,10 +105,9 @@ def _summary(unit):
     return doc.split("\n\n")[0].replace("\n", " ").rstrip(".")
 
 
-def _lines(unit):
+def _files(unit):
     path = _path(unit)
-    files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
-    return sum(len(f.read_text().splitlines()) for f in files), len(files)
+    return len(list(path.rglob("*.py"))) if path.is_dir() else 1
 
 
 def _shown(unit):
@@ -118,14 +117,14 @@ def _shown(unit):
 
 def layers_markdown():
     """The table docs/how-it-works.md shows: every layer, top first, its
-    units, their size, what they import and what they are."""
+    units, their modules, what they import and what they are (no line
+    counts: the table changes when the structure does, not at every edit)."""
     imports = unit_imports()
-    rows = ["| layer | unit | lines (files) | imports | what it is |", "|---:|---|---:|---|---|"]
+    rows = ["| layer | unit | modules | imports | what it is |", "|---:|---|---:|---|---|"]
     for i, units in reversed(list(enumerate(LAYERS))):
         for unit in units:
-            lines, files = _lines(unit)
             used = ", ".join(sorted(imports.get(unit, ()))) or "-"
-            rows.append(f"| {i} | {_shown(unit)} | {lines} ({files}) | {used} | {_summary(unit)} |")
+            rows.append(f"| {i} | {_shown(unit)} | {_files(unit)} | {used} | {_summary(unit)} |")
     return "\n".join([BEGIN, *rows, END])
 
 
