@@ -4,8 +4,8 @@
 # TensorFlow, then the tests marked `backends` on each other backend but
 # the first (PyTorch). Lane 2: those tests on the first other backend
 # (JAX), then on TensorFlow with the oldest Keras and with keras-nightly.
-# On a clean clone, 2026-12-07: TF 23:40 + torch 3:32 against JAX 15:45 +
-# Keras 3.15.0 6:16 + nightly 5:20, about 27 min a lane. Every
+# On a clean clone, 2026-12-07: TF 23:49 + torch 3:44 (27:33) against
+# JAX 15:54 + Keras 3.15.0 6:31 + nightly 6:39 (29:04). Every
 # run goes on even if an earlier one failed; each run's output is printed
 # whole, in this order, once all are done. Exits 1 if any run failed.
 #
