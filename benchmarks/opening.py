@@ -123,5 +123,6 @@ def summarize(runs, args):
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
+
 if __name__ == "__main__":
     main()

@@ -80,5 +80,6 @@ def main(argv=None):
 
     summarize(alternate(methods, args.rounds, measure_one), args)
 
+
 if __name__ == "__main__":
     main()

@@ -73,13 +73,11 @@ def unit_of(module):
 
 def unit_imports(package=PACKAGE):
     """unit -> the other units its modules import."""
-    found = {}
-    for a, b in import_graph(package).edges:
-        found.setdefault(unit_of(a), set())
+    graph = import_graph(package)
+    found = {unit_of(module): set() for module in graph.nodes}
+    for a, b in graph.edges:
         if unit_of(a) != unit_of(b):
             found[unit_of(a)].add(unit_of(b))
-    for module in import_graph(package).nodes:
-        found.setdefault(unit_of(module), set())
     return found
 
 
@@ -87,8 +85,9 @@ def violations(package=PACKAGE, layers=LAYERS):
     """What breaks the layering: units placed in no layer, and imports of a
     unit of the same or a higher layer ("a -> b")."""
     level = {unit: i for i, units in enumerate(layers) for unit in units}
-    found = [f"{unit}: in no layer of LAYERS" for unit in unit_imports(package) if unit not in level]
-    for unit, imported in sorted(unit_imports(package).items()):
+    imports = unit_imports(package)
+    found = [f"{unit}: in no layer of LAYERS" for unit in imports if unit not in level]
+    for unit, imported in sorted(imports.items()):
         found += [f"{unit} -> {b}" for b in sorted(imported) if unit in level and b in level and level[b] >= level[unit]]
     return found
 
