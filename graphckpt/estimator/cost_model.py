@@ -132,6 +132,26 @@ def backend_prunes():
 FREEING_BACKENDS = ("torch",)
 
 
+# Backends on which an inline call that reads an earlier tensor in its
+# backward (a MaxPooling2D on a U-Net's skip tensor) holds that value while
+# the tensor's gradient, from a later use, is already alive
+# (`graphckpt.planner.NodeCosts.reads`). Measured on TensorFlow: the U-Net
+# of benchmarks/families.py with its first MaxPooling2D inline between two
+# recomputed segments peaks at x0.69 of the baseline, x0.58 with it
+# recomputed in the segment before (4 alternating rounds each). On JAX,
+# XLA's buffer assignment of the same two plans says the opposite (127
+# and 151 MiB of temporaries): it schedules the step as a whole.
+HOLDING_BACKENDS = ("tensorflow",)
+
+
+def backend_holds_read_values():
+    """Whether an inline call's backward-read input is held beside its
+    gradient on the current Keras backend (`HOLDING_BACKENDS`)."""
+    import keras
+
+    return keras.backend.backend() in HOLDING_BACKENDS
+
+
 def backend_frees_gradients():
     """Whether the current Keras backend frees the last step's weight
     gradients before the backward pass."""

@@ -253,8 +253,9 @@ def _costs(graph, batch_size):
     tensors = graph.tensors
     scale = batch_size or 1
     tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
-    saved, internal, workspace, compute, by_call, forward_temp = set(), {}, {}, {}, {}, {}
+    saved, internal, workspace, compute, by_call, forward_temp, reads = set(), {}, {}, {}, {}, {}, {}
     prunable, prunes = set(), cost_model.backend_prunes()
+    holds = cost_model.backend_holds_read_values()
     frees = batch_size is not None and cost_model.backend_frees_gradients()
     params_factor = _WORKSPACE_PARAMS_FREED if frees else _WORKSPACE_PARAMS
     order = topological_order(graph)
@@ -266,6 +267,8 @@ def _costs(graph, batch_size):
         by_call[key] = rule
         saved.update(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
         saved.update(outs[i].key for i in rule.saved_outputs if i < len(outs))
+        if holds:
+            reads[key] = frozenset(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
         internal[key] = int(rule.internal * scale)
         workspace[key] = int(_workspace(rule, ins, outs) * scale)
         if batch_size is not None:
@@ -289,6 +292,7 @@ def _costs(graph, batch_size):
         segment_cost=cost_model.nanoseconds(cost_model.segment_seconds()),
         freed=_freed_gradients(graph, order) if frees else {},
         forward_temp=forward_temp,
+        reads=reads,
     )
     calls = []
     for key, rule in by_call.items():

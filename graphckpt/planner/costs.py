@@ -50,6 +50,12 @@ class NodeCosts:
             PyTorch, a kernel layer's bias add and activation run as ops of
             their own, each making a new tensor, so the matmul's or the bias
             add's result lives beside the next one.
+        reads: layer call -> the keys of its input tensors whose values its
+            backward reads (a MaxPooling2D's input), where a segment run as
+            it is holds such a value beside its gradient: the value until
+            the segment's backward, the gradient from the backward of a
+            later reader. Empty where the backend does not hold both
+            (XLA's schedule on JAX, measured) or nobody said.
     """
 
     tensor_bytes: dict
@@ -63,6 +69,7 @@ class NodeCosts:
     segment_cost: float = 0.0
     freed: dict = dataclasses.field(default_factory=dict)
     forward_temp: dict = dataclasses.field(default_factory=dict)
+    reads: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

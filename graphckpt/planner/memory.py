@@ -35,7 +35,7 @@ class MemoryModel:
     the backward pass, segment i spanning positions [a_i, b_i):
         peak = fixed + max_i (sum_{j<i} held_j + inner_i)
         held_j = out(a_j, b_j)                      recomputed segment
-               = kept(a_j, b_j) + unsaved_out(a_j, b_j)   otherwise
+               = kept(a_j, b_j) + unsaved_out(a_j, b_j) + both(a_j, b_j)   otherwise
         inner_i = max_{v in seg} (kept(a_i, v+1) + workspace(v) - freed(0, v+1))
                   + out(a_i, b_i)  [+ in(a_i, b_i) when recomputed]
         inner_i = max(inner_i, fwd_i)               where something is freed
@@ -43,6 +43,12 @@ class MemoryModel:
         inner_last = max(inner_last, held_last)     the end of the forward pass
     `out(a, b)`: tensors made in [a, b) and used at b or later (as values
     for later consumers, or as gradients coming back from them);
+    `both(a, b)`: tensors made before a whose values a call in [a, b)
+    reads in its backward (`NodeCosts.reads`) and that are used at b or
+    later too: the segment holds the value until its backward, while the
+    gradient from the later use comes back earlier (an inline MaxPooling2D
+    on a U-Net's skip tensor). Counted for every later segment, so an
+    over-estimate after that later use;
     `in(a, b)`: tensors made before a and used in [a, b), which the
     recompute copies (graphckpt's TensorFlow and JAX remats order it after
     the incoming gradient through a data dependency on every input,
@@ -91,6 +97,7 @@ class MemoryModel:
         made = np.zeros((n + 1, n + 2))  # [producer position, last use]
         unsaved = np.zeros((n + 1, n + 2))
         in_diff = np.zeros((n + 2, n + 2))  # 2-D difference array of in(a, b)
+        both_diff = np.zeros((n + 2, n + 2))  # ... of both(a, b)
         produced = {}
         # A call's forward step: its outputs, internal buffers and forward
         # temporaries, and its inputs where nothing counts them yet: in a
@@ -106,11 +113,11 @@ class MemoryModel:
             step_remat[uses] += nbytes
             if key not in costs.saved:
                 step_kept[uses] += nbytes
+            last = n if key in model_outputs else (uses[-1] if uses else p)
             if p >= 0:
                 step_kept[p] += nbytes
                 step_remat[p] += nbytes
                 produced.setdefault(info.producer, []).append(key)
-                last = n if key in model_outputs else (uses[-1] if uses else p)
                 if last > p:
                     made[p, last] += nbytes
                     if key not in costs.saved:
@@ -123,6 +130,18 @@ class MemoryModel:
                 in_diff[prev + 1, use + 1] += nbytes
                 in_diff[use + 1, use + 1] -= nbytes
                 prev = use
+            # both(a, b): a span [a, b) run as it is holds the value for a
+            # call of its own that reads it in its backward, and the
+            # gradient comes back from a use at b or later: for a in
+            # (previous reader or producer, reader], b in (reader, last].
+            prev = p
+            for reader in (u for u in uses if key in costs.reads.get(order[u], ())):
+                if p >= 0 and reader < last:
+                    both_diff[prev + 1, reader + 1] += nbytes
+                    both_diff[prev + 1, last + 1] -= nbytes
+                    both_diff[reader + 1, reader + 1] -= nbytes
+                    both_diff[reader + 1, last + 1] += nbytes
+                prev = reader
         kept = np.array([costs.internal.get(v, 0) for v in order], dtype=float)
         for v in order:
             kept[pos[v]] += sum(costs.tensor_bytes.get(t, 0) for t in produced.get(v, ()) if t in costs.saved)
@@ -163,7 +182,9 @@ class MemoryModel:
         del work_peak
         self.inner_remat = self.inner_kept + in_
         self.copied_span = in_
-        self.held_kept = kept_span + unsaved_out
+        both = np.cumsum(np.cumsum(both_diff, axis=0), axis=1)[: n + 1, : n + 1]
+        del both_diff
+        self.held_kept = kept_span + unsaved_out + both
         self.held_remat = out
         # Each segment's forward pass, over what the earlier ones hold: what a
         # kept segment keeps so far, plus one call's step. Where nothing is
