@@ -2,6 +2,7 @@
 with the planner's memory model. No measurement here (see
 benchmarks/calibrate.py and docs/estimator.md for estimated vs measured)."""
 
+import dataclasses
 import math
 
 import keras
@@ -434,3 +435,32 @@ def test_rules_registered_before_the_built_in_ones_load_are_kept():
     pytest.importorskip("keras_hub")
     run = subprocess.run([sys.executable, "-c", _EARLY_RULES], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+@pytest.mark.backends
+def test_an_inline_max_pooling_holds_its_skip_input_beside_its_gradient_on_tensorflow():
+    """A U-Net's MaxPooling2D reads its input (the skip tensor) in its
+    backward. Run inline between two recomputed segments, it holds that
+    value while the skip's gradient, from the decoder's Concatenate, is
+    already back: on TensorFlow the estimate counts the skip twice there
+    (`NodeCosts.reads`; measured in cost_model.HOLDING_BACKENDS' comment).
+    XLA schedules the step as a whole, and JAX's estimate does not."""
+    graph = build_graph(models.unet())
+    costs = node_costs(graph, batch_size=4)
+    order = list(graph.nodes)
+    pools = [v for v in order if graph.nodes[v].get("class_name") == "MaxPooling2D"]
+    holds = keras.backend.backend() == "tensorflow"
+    assert {v: set(costs.reads.get(v, ())) for v in pools} == {
+        v: set(graph.nodes[v]["in_keys"]) if holds else set() for v in pools
+    }
+    from graphckpt.planner import plan_from_boundaries, topological_order
+
+    order = topological_order(graph)
+    i = order.index(pools[0])
+    inline = plan_from_boundaries(graph, order, [0, i, i + 1], remat=[True, False, True])
+    plain = dataclasses.replace(costs, reads={})
+    skip = sum(costs.tensor_bytes[k] for k in graph.nodes[pools[0]]["in_keys"])
+    held = [p.held_bytes for p in segment_peaks(graph, inline, costs)]
+    held_plain = [p.held_bytes for p in segment_peaks(graph, inline, plain)]
+    assert skip > 0
+    assert held == [h + (skip if holds and j == 1 else 0) for j, h in enumerate(held_plain)]

@@ -135,12 +135,13 @@ FREEING_BACKENDS = ("torch",)
 # Backends on which an inline call that reads an earlier tensor in its
 # backward (a MaxPooling2D on a U-Net's skip tensor) holds that value while
 # the tensor's gradient, from a later use, is already alive
-# (`graphckpt.planner.NodeCosts.reads`). Measured on TensorFlow: the U-Net
-# of benchmarks/families.py with its first MaxPooling2D inline between two
-# recomputed segments peaks at x0.69 of the baseline, x0.58 with it
-# recomputed in the segment before (4 alternating rounds each). On JAX,
-# XLA's buffer assignment of the same two plans says the opposite (127
-# and 151 MiB of temporaries): it schedules the step as a whole.
+# (`graphckpt.planner.NodeCosts.reads`). Measured on TensorFlow by
+# benchmarks/inline_reader.py: a U-Net with its first MaxPooling2D inline
+# between two recomputed segments peaks higher than with the pooling
+# recomputed in the segment before (x0.68 against x0.63 of the baseline,
+# lower in each of 4 alternating rounds). On JAX, XLA's buffer assignment
+# of the same two plans says the opposite (127.5 and 151.5 MiB of
+# temporaries): it schedules the step as a whole.
 HOLDING_BACKENDS = ("tensorflow",)
 
 

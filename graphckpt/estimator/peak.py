@@ -255,7 +255,6 @@ def _costs(graph, batch_size):
     tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
     saved, internal, workspace, compute, by_call, forward_temp, reads = set(), {}, {}, {}, {}, {}, {}
     prunable, prunes = set(), cost_model.backend_prunes()
-    holds = cost_model.backend_holds_read_values()
     frees = batch_size is not None and cost_model.backend_frees_gradients()
     params_factor = _WORKSPACE_PARAMS_FREED if frees else _WORKSPACE_PARAMS
     order = topological_order(graph)
@@ -265,10 +264,8 @@ def _costs(graph, batch_size):
         outs = [tensors[k] for k in data["out_keys"]]
         rule = _rule(data["layer"], ins, outs, data.get("node"))
         by_call[key] = rule
-        saved.update(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
-        saved.update(outs[i].key for i in rule.saved_outputs if i < len(outs))
-        if holds:
-            reads[key] = frozenset(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
+        reads[key] = frozenset(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
+        saved.update(reads[key], (outs[i].key for i in rule.saved_outputs if i < len(outs)))
         internal[key] = int(rule.internal * scale)
         workspace[key] = int(_workspace(rule, ins, outs) * scale)
         if batch_size is not None:
@@ -292,7 +289,7 @@ def _costs(graph, batch_size):
         segment_cost=cost_model.nanoseconds(cost_model.segment_seconds()),
         freed=_freed_gradients(graph, order) if frees else {},
         forward_temp=forward_temp,
-        reads=reads,
+        reads=reads if cost_model.backend_holds_read_values() else {},
     )
     calls = []
     for key, rule in by_call.items():
