@@ -11,13 +11,14 @@ memory model without `NodeCosts.reads` priced alike (87.0 MiB):
     merged   the current default: the pooling recomputed in the segment
              before it, [3 recomputed] [23 recomputed] [5 inline].
 
-On TensorFlow (no XLA): the BFC peak of each plan and of the baseline,
-fresh processes, the three alternating, `--repeats` rounds; ratios to the
-same round's baseline, with their medians. On JAX (`--backend jax`): XLA's
-buffer assignment of the jitted train step (temporaries, deterministic),
-in this process.
+On TensorFlow (no XLA) and PyTorch (`--backend torch`): the peak of each
+plan and of the baseline (TensorFlow's BFC statistics, PyTorch's process
+RSS), fresh processes, the three alternating, `--repeats` rounds; ratios
+to the same round's baseline, with their medians. On JAX (`--backend
+jax`): XLA's buffer assignment of the jitted train step (temporaries,
+deterministic), in this process.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/inline_reader.py [--repeats 4] [--backend tensorflow|jax]
+    PYTHONPATH=. .venv/bin/python benchmarks/inline_reader.py [--repeats 4] [--backend tensorflow|torch|jax]
 """
 
 import argparse
@@ -59,7 +60,7 @@ def variant(build, which):
     return checkpointed_model(model, graph, plan)
 
 
-def _tensorflow(repeats):
+def _measured(backend, repeats):
     from graphckpt.measure import measure
 
     ratios = {"inline": [], "merged": []}
@@ -71,7 +72,7 @@ def _tensorflow(repeats):
                 if which == "baseline"
                 else dict(method=f"{os.path.abspath(__file__)}:variant", method_kwargs={"which": which})
             )
-            m = measure(f"{FAMILIES_PY}:unet", batch_size=BATCH, steps=6, warmup=2, backend="tensorflow", **kw)
+            m = measure(f"{FAMILIES_PY}:unet", batch_size=BATCH, steps=6, warmup=2, backend=backend, **kw)
             peaks[which] = m.peak_bytes
             print(f"  round {r} {which:8s} peak {m.peak_bytes / 2**20:6.1f} MiB", flush=True)
         for which in ratios:
@@ -107,14 +108,14 @@ def _jax():
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--backend", default="tensorflow", choices=("tensorflow", "jax"))
+    p.add_argument("--backend", default="tensorflow", choices=("tensorflow", "torch", "jax"))
     args = p.parse_args()
     if args.backend == "jax":
         if os.environ.get("KERAS_BACKEND") != "jax":
             sys.exit("run with KERAS_BACKEND=jax")
         _jax()
     else:
-        _tensorflow(args.repeats)
+        _measured(args.backend, args.repeats)
 
 
 if __name__ == "__main__":

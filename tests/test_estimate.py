@@ -438,18 +438,19 @@ def test_rules_registered_before_the_built_in_ones_load_are_kept():
 
 
 @pytest.mark.backends
-def test_an_inline_max_pooling_holds_its_skip_input_beside_its_gradient_on_tensorflow():
+def test_an_inline_max_pooling_holds_its_skip_input_beside_its_gradient_but_on_jax():
     """A U-Net's MaxPooling2D reads its input (the skip tensor) in its
     backward. Run inline between two recomputed segments, it holds that
     value while the skip's gradient, from the decoder's Concatenate, is
-    already back: on TensorFlow the estimate counts the skip twice there
-    (`NodeCosts.reads`; measured in cost_model.HOLDING_BACKENDS' comment).
-    XLA schedules the step as a whole, and JAX's estimate does not."""
+    already back: on TensorFlow and PyTorch the estimate counts the skip
+    twice there (`NodeCosts.reads`; measured in
+    cost_model.HOLDING_BACKENDS' comment). XLA schedules the step as a
+    whole, and JAX's estimate does not."""
     graph = build_graph(models.unet())
     costs = node_costs(graph, batch_size=4)
     order = list(graph.nodes)
     pools = [v for v in order if graph.nodes[v].get("class_name") == "MaxPooling2D"]
-    holds = keras.backend.backend() == "tensorflow"
+    holds = keras.backend.backend() in ("tensorflow", "torch")
     assert {v: set(costs.reads.get(v, ())) for v in pools} == {
         v: set(graph.nodes[v]["in_keys"]) if holds else set() for v in pools
     }

@@ -135,14 +135,15 @@ FREEING_BACKENDS = ("torch",)
 # Backends on which an inline call that reads an earlier tensor in its
 # backward (a MaxPooling2D on a U-Net's skip tensor) holds that value while
 # the tensor's gradient, from a later use, is already alive
-# (`graphckpt.planner.NodeCosts.reads`). Measured on TensorFlow by
+# (`graphckpt.planner.NodeCosts.reads`). Measured by
 # benchmarks/inline_reader.py: a U-Net with its first MaxPooling2D inline
 # between two recomputed segments peaks higher than with the pooling
-# recomputed in the segment before (x0.68 against x0.63 of the baseline,
-# lower in each of 4 alternating rounds). On JAX, XLA's buffer assignment
+# recomputed in the segment before: on TensorFlow x0.68 against x0.63 of
+# the baseline (lower in each of 4 alternating rounds), on PyTorch x0.54
+# against x0.32 (3 rounds, each the same). On JAX, XLA's buffer assignment
 # of the same two plans says the opposite (127.5 and 151.5 MiB of
 # temporaries): it schedules the step as a whole.
-HOLDING_BACKENDS = ("tensorflow",)
+HOLDING_BACKENDS = ("tensorflow", "torch")
 
 
 def backend_holds_read_values():
