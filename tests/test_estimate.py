@@ -19,7 +19,7 @@ from graphckpt.estimator.peak import (
     resolve_batch_size,
 )
 from graphckpt.graph.build import build_graph
-from graphckpt.planner import segment_peaks
+from graphckpt.planner import plan_from_boundaries, segment_peaks, topological_order
 from tests import models
 
 F = 4  # bytes per float32
@@ -448,15 +448,12 @@ def test_an_inline_max_pooling_holds_its_skip_input_beside_its_gradient_but_on_j
     whole, and JAX's estimate does not."""
     graph = build_graph(models.unet())
     costs = node_costs(graph, batch_size=4)
-    order = list(graph.nodes)
-    pools = [v for v in order if graph.nodes[v].get("class_name") == "MaxPooling2D"]
+    order = topological_order(graph)
+    pools = [v for v in order if graph.nodes[v]["class_name"] == "MaxPooling2D"]
     holds = keras.backend.backend() in ("tensorflow", "torch")
     assert {v: set(costs.reads.get(v, ())) for v in pools} == {
         v: set(graph.nodes[v]["in_keys"]) if holds else set() for v in pools
     }
-    from graphckpt.planner import plan_from_boundaries, topological_order
-
-    order = topological_order(graph)
     i = order.index(pools[0])
     inline = plan_from_boundaries(graph, order, [0, i, i + 1], remat=[True, False, True])
     plain = dataclasses.replace(costs, reads={})
