@@ -83,24 +83,17 @@ def _measured(backend, repeats):
 
 def _jax():
     import keras
-    import numpy as np
 
     import families
     import graphckpt
-    from graphckpt.measure.crosscheck import independent_peak
     from graphckpt.runtime.checkpointed import checkpointed_model
+    from jax_estimate import _xla_temp
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH, 128, 128, 3)).astype("float32")
-    y = rng.standard_normal((BATCH, 128, 128, 1)).astype("float32")
     for which in ("inline", "merged"):
         keras.utils.set_random_seed(0)
         model = families.unet()
         graph, plan = plan_of(model, which)
-        ck = checkpointed_model(model, graph, plan)
-        ck.compile(optimizer="sgd", loss="mse")
-        ck.train_on_batch(x, y)
-        temp = independent_peak(ck, x, y)["bytes"]
+        temp = _xla_temp(checkpointed_model(model, graph, plan), BATCH)
         estimate = graphckpt.estimate(model, plan, batch_size=BATCH).peak_bytes
         print(f"{which:8s} XLA temporaries {temp / 2**20:6.1f} MiB, estimate {estimate / 2**20:6.1f} MiB")
 

@@ -4,6 +4,7 @@ import networkx as nx
 
 from graphckpt.graph.build import TensorInfo
 from graphckpt.planner.costs import NodeCosts
+from graphckpt.planner.data import tensor_consumers
 
 
 def chain(n, nbytes=10):
@@ -68,3 +69,15 @@ def random_dag(rnd, n, chain):
         lambda i, earlier: set() if chain else {rnd.choice(earlier) for _ in range(rnd.choice([0, 0, 1, 2]))},
         lambda names: None if chain or rnd.random() < 0.7 else rnd.choice(names[:-1]),
     )
+
+
+def random_reads(rnd, graph):
+    """`NodeCosts.reads` drawn from `rnd`: each call reads about half of its
+    input tensors in its backward."""
+    consumers = tensor_consumers(graph)
+    reads = {}
+    for key in graph.graph["tensors"]:
+        for c in consumers.get(key, ()):
+            if rnd.random() < 0.5:
+                reads.setdefault(c, set()).add(key)
+    return {c: frozenset(k) for c, k in reads.items()}

@@ -13,9 +13,8 @@ import pytest
 
 from graphckpt.planner import front
 from graphckpt.planner.budget_search import _forbidden_prefix, smallest_peak
-from graphckpt.planner.data import tensor_consumers
 from graphckpt.planner.memory import MemoryModel, NodeCosts
-from tests.planner.graphs import random_dag
+from tests.planner.graphs import random_dag, random_reads
 from tests.planner.references import brute_force, plan_peak, reference_search
 
 
@@ -40,7 +39,7 @@ def _case(seed):
             workspace={v: rnd.choice([0, 10, 50]) for v in names},
             compute={v: rnd.choice([1.0, 2.5, 1e6, 3.3e9]) if frac else float(rnd.choice([1, 2, 3, 50])) for v in names},
             fixed=rnd.choice([0, 7]),
-            reads=_random_reads(random.Random(-seed), g) if kind == 2 else {},
+            reads=random_reads(random.Random(-seed), g) if kind == 2 else {},  # own generator: other draws stay
         )
     keep = {v for v in names if rnd.random() < 0.15} if rnd.random() < 0.3 else set()
     spans = MemoryModel(g, costs)
@@ -49,17 +48,6 @@ def _case(seed):
     base = spans.inner_kept[0, n]
     caps = sorted({least - 1, least, int((least + base) / 2), base} | {int(least + rnd.random() * (base - least)) for _ in range(4)})
     return spans, forbidden, caps
-
-
-def _random_reads(rnd, graph):
-    """`NodeCosts.reads`: each call reads about half its inputs in its
-    backward (drawn from its own `rnd`, so the cases' other draws stay)."""
-    reads = {}
-    for key, consumers in tensor_consumers(graph).items():
-        for c in consumers:
-            if rnd.random() < 0.5:
-                reads.setdefault(c, set()).add(key)
-    return {c: frozenset(k) for c, k in reads.items()}
 
 
 @pytest.mark.parametrize("seed", range(160))

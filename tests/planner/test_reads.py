@@ -16,7 +16,7 @@ from graphckpt.planner import (
     topological_order,
 )
 from graphckpt.planner.data import tensor_consumers
-from tests.planner.graphs import dag, random_dag
+from tests.planner.graphs import dag, random_dag, random_reads
 
 SKIP = ("n1", 0, 0)
 
@@ -72,13 +72,7 @@ def test_the_span_table_counts_both_as_defined(seed):
     rnd = random.Random(seed)
     g, names = random_dag(rnd, rnd.randint(4, 14), chain=seed % 5 == 0)
     plain = dataclasses.replace(graph_costs(g), tensor_bytes={k: rnd.choice([1, 7, 40]) for k in g.graph["tensors"]})
-    consumers = tensor_consumers(g)
-    reads = {}
-    for key in g.graph["tensors"]:
-        for c in consumers.get(key, ()):
-            if rnd.random() < 0.5:
-                reads.setdefault(c, set()).add(key)
-    reading = dataclasses.replace(plain, reads={c: frozenset(k) for c, k in reads.items()})
+    reading = dataclasses.replace(plain, reads=random_reads(rnd, g))
     order = topological_order(g)
     without, with_reads = MemoryModel(g, plain, order), MemoryModel(g, reading, order)
     np.testing.assert_array_equal(with_reads.held_kept - without.held_kept, _both_by_definition(g, reading, order))
