@@ -16,7 +16,7 @@ import keras
 
 from graphckpt import errors, keras_compat
 from graphckpt.budget import check_batch_size, choose_plan
-from graphckpt.graph.build import build_graph, functional_of, kept_whole_note
+from graphckpt.graph.build import build_graph, functional_of, kept_whole_note, mark_attention_chunks
 from graphckpt.graph.nesting import not_opened_note
 from graphckpt.graph.shapes import InputShape, open_graph, sized_graph
 from graphckpt.planner import Plan
@@ -148,6 +148,15 @@ class Planned(NamedTuple):
             )
 
 
+def _check_attention_chunks(chunks):
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise errors.InvalidArgumentError(
+            f"`attention_chunks` must be None or a positive int: the number of query chunks each "
+            f"attention core runs in. Received: attention_chunks={chunks!r}. Tip: try 4 or 8; "
+            "`graphckpt.estimate` shows what a plan with it holds."
+        )
+
+
 def planned(
     model: keras.Model,
     *,
@@ -157,15 +166,20 @@ def planned(
     policy: str | Callable | None = None,
     input_shape: InputShape | None = None,
     open_layers: bool = False,
+    attention_chunks: int | None = None,
 ) -> Planned:
     """`plan`, with the graphs the plan was made on: for tools that show a
     plan layer by layer (`graphckpt inspect`). Arguments as in `plan`;
     it warns only of unknown dimensions (see `Planned.warn_if_unchanged`)."""
-    return _planned(model, segments, budget, batch_size, policy, input_shape, stacklevel=3, open_layers=open_layers)
+    return _planned(
+        model, segments, budget, batch_size, policy, input_shape, stacklevel=3, open_layers=open_layers,
+        attention_chunks=attention_chunks,
+    )
 
 
 def _planned(
-    model, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None, stacklevel=3, open_layers=False
+    model, segments="auto", budget=None, batch_size=None, policy=None, input_shape=None, stacklevel=3, open_layers=False,
+    attention_chunks=None,
 ):
     """`planned`, warning of unknown dimensions at `stacklevel` above its caller."""
     _check_model(model)
@@ -185,6 +199,7 @@ def _planned(
             f"`open_layers` must be a bool or a callable `open_layers(layer) -> bool`. Received: "
             f"open_layers={open_layers!r}. Tip: pass True, or e.g. `lambda layer: layer.name != 'encoder'`."
         )
+    _check_attention_chunks(attention_chunks)
     if open_layers:
         if batch_size is not None:
             check_batch_size(model, batch_size)  # its value, before comparing it with `input_shape`
@@ -192,7 +207,7 @@ def _planned(
         # given: the shapes inside an opened layer are what its trace gave,
         # which can lose a dimension the layer itself knows
         # (MultiHeadAttention's projections lose the sequence length).
-        graph, input_shape = open_graph(model, input_shape, batch_size, open_layers)
+        graph, input_shape = open_graph(model, input_shape, batch_size, open_layers, whole_attention=bool(attention_chunks))
         if graph.at_known_shapes:  # some layer serves these shapes only
             opened_at = tuple(tuple(s) for s in input_shape)
         if not_opened_note(graph):
@@ -201,12 +216,22 @@ def _planned(
         graph = build_graph(model)
     if batch_size is not None:
         check_batch_size(graph, batch_size)  # before comparing it with `input_shape`
+    if attention_chunks and not mark_attention_chunks(graph, attention_chunks):
+        warnings.warn(
+            f"Model '{model.name}' has no MultiHeadAttention call whose core could run in chunks: "
+            f"`attention_chunks={attention_chunks}` changes nothing.",
+            errors.GraphckptWarning,
+            stacklevel=stacklevel,
+        )
+        attention_chunks = None
     sized, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=stacklevel + 1)
     the_plan, unchanged = choose_plan(sized, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
     if open_layers:
         the_plan = dataclasses.replace(
             the_plan, open_layers=True, opened_at=opened_at, kept_closed=graph.kept_closed
         )
+    if attention_chunks:
+        the_plan = dataclasses.replace(the_plan, attention_chunks=attention_chunks)
     return Planned(graph, sized, the_plan, unchanged)
 
 
@@ -219,6 +244,7 @@ def plan(
     policy: str | Callable | None = None,
     input_shape: InputShape | None = None,
     open_layers: bool = False,
+    attention_chunks: int | None = None,
 ) -> Plan:
     """Plans the segments of `model` without rewriting it.
 
@@ -267,6 +293,16 @@ def plan(
             callable `open_layers(layer) -> bool` opens only the composite
             layers it says yes to (`lambda layer: not isinstance(layer,
             keras.layers.MultiHeadAttention)`). Experimental; default False.
+        attention_chunks: run the core of each `MultiHeadAttention` call
+            (keras_hub's attention layers too) in this many query chunks,
+            each recomputed in the backward pass: no score-sized tensor
+            (heads x queries x keys) is kept, and the backward pass holds
+            one chunk's at a time, for one more forward pass of the
+            attention core. Outputs and dropout masks are the same; the
+            gradients of keys and values are summed chunk by chunk, so
+            they equal the original's to rounding, not bit for bit
+            (`graphckpt.runtime.attention`). With `open_layers`, attention
+            layers stay whole. Default None: not chunked.
 
     Returns:
         A `graphckpt.Plan`: plain, immutable data about the segments, with
@@ -282,7 +318,10 @@ def plan(
         >>> p = graphckpt.plan(model, budget=0.3, batch_size=32)
         >>> p.estimated_peak_bytes, p.baseline_peak_bytes
     """
-    result = _planned(model, segments, budget, batch_size, policy, input_shape, open_layers=open_layers)
+    result = _planned(
+        model, segments, budget, batch_size, policy, input_shape, open_layers=open_layers,
+        attention_chunks=attention_chunks,
+    )
     result.warn_if_unchanged(model.name, stacklevel=2)
     return result.plan
 
@@ -296,6 +335,7 @@ def checkpoint_model(
     policy: str | Callable | None = None,
     input_shape: InputShape | None = None,
     open_layers: bool = False,
+    attention_chunks: int | None = None,
 ) -> keras.Model:
     """Returns a copy of `model`'s graph that trains with less memory.
 
@@ -347,6 +387,7 @@ def checkpoint_model(
             without it, an unknown non-batch dimension counts as 1, with a
             warning. The checkpointed model still takes any shape the
             original does.
+        open_layers, attention_chunks: as for `graphckpt.plan`.
 
     Returns:
         A new functional `keras.Model`, or `model` itself (with a warning)
@@ -373,9 +414,10 @@ def checkpoint_model(
     _check_model(model)
     _check_no_overrides(model)
     graph, _, the_plan, unchanged = _planned(
-        model, segments, budget, batch_size, policy, input_shape, open_layers=open_layers
+        model, segments, budget, batch_size, policy, input_shape, open_layers=open_layers,
+        attention_chunks=attention_chunks,
     )
-    if unchanged is None and not any(s.remat for s in the_plan.segments):
+    if unchanged is None and not any(s.remat for s in the_plan.segments) and not the_plan.attention_chunks:
         unchanged = "the plan recomputes no layer call"
     note = kept_whole_note(graph)  # nested models no cut can enter, if any
     if unchanged:

@@ -13,7 +13,7 @@ import numbers
 import re
 
 from graphckpt import errors, policies
-from graphckpt.estimator.peak import node_costs, resolve_batch_size
+from graphckpt.estimator.peak import node_costs, original_baseline, resolve_batch_size
 from graphckpt.planner import (
     BudgetInfeasible,
     MemoryModel,
@@ -88,11 +88,11 @@ def parse_budget(budget):
     raise _bad_budget(budget)
 
 
-def _with_estimates(plan, memory, batch_size, **extra):
+def _with_estimates(plan, memory, batch_size, baseline, **extra):
     return dataclasses.replace(
         plan,
         estimated_peak_bytes=memory.estimated_peak(plan),
-        baseline_peak_bytes=memory.baseline_peak(),
+        baseline_peak_bytes=baseline,
         batch_size=batch_size,
         **extra,
     )
@@ -163,6 +163,7 @@ def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=
         return _empty_plan(graph, segments, budget, policy_name)
     costs = node_costs(graph, batch_size)
     memory = MemoryModel(graph, costs)  # O(n^2): built once, read by every step below
+    baseline = original_baseline(graph, batch_size, memory)
     if budget is None and policy is None:
         try:
             the_plan = plan_segments(graph, segments=segments, costs=costs, memory=memory)
@@ -171,11 +172,10 @@ def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=
                 f"{e}. Accepted: 'auto' (the default: the least estimated peak, "
                 "recomputing least), 'sqrt', or an int from 1 to the number of layer calls."
             ) from None
-        return _with_estimates(the_plan, memory, batch_size), None
+        return _with_estimates(the_plan, memory, batch_size, baseline), None
     keep = ()
     if policy_fn is not None:
         keep = tuple(n for n in topological_order(graph) if policy_fn(graph.nodes[n]["layer"]))
-    baseline = memory.baseline_peak()
     per = "" if batch_size is not None else " per example"
     if budget is None:
         # Policy alone: the smallest estimated peak that recomputes none of
@@ -199,7 +199,10 @@ def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=
                 "checkpointing would only add recompute"
             )
             kept = _kept_plan(graph, strategy)
-            return _with_estimates(kept, memory, batch_size, budget_bytes=budget_bytes, policy=policy_name), unchanged
+            return (
+                _with_estimates(kept, memory, batch_size, baseline, budget_bytes=budget_bytes, policy=policy_name),
+                unchanged,
+            )
     try:
         the_plan = plan_for_budget(graph, costs, target, keep=keep, strategy=strategy, memory=memory)
     except BudgetInfeasible as e:
@@ -211,4 +214,9 @@ def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=
             f"baseline {format_bytes(baseline)}). Tip: raise the budget to at least that, or "
             "lower the batch size."
         ) from None
-    return dataclasses.replace(the_plan, batch_size=batch_size, budget_bytes=budget_bytes, policy=policy_name), None
+    return (
+        dataclasses.replace(
+            the_plan, batch_size=batch_size, budget_bytes=budget_bytes, policy=policy_name, baseline_peak_bytes=baseline
+        ),
+        None,
+    )

@@ -92,6 +92,15 @@ def _attention(layer, ins, outs):
     return attention_rule(ins, outs, heads, head_dim, kv_heads=getattr(layer, "num_key_value_heads", None))
 
 
+def chunked_attention(layer, ins, outs, chunks):
+    """A `MultiHeadAttention` call whose core runs in `chunks` query chunks
+    (`graphckpt.runtime.attention`; the graph marks it `attention_chunks`)."""
+    key_dim = layer.key_dim or 1
+    return attention_rule(
+        ins, outs, layer.num_heads or 1, key_dim, layer.value_dim or key_dim, chunks=chunks, dropout=layer.dropout > 0
+    )
+
+
 def _dot_attention(layer, ins, outs):
     """Attention (dot-product scores) and AdditiveAttention, whose scores
     come from tanh(query + key) over every (t, s) pair and feature: that

@@ -263,6 +263,8 @@ def _costs(graph, batch_size):
         ins = [tensors[k] for k in data["in_keys"]]
         outs = [tensors[k] for k in data["out_keys"]]
         rule = _rule(data["layer"], ins, outs, data.get("node"))
+        if data.get("attention_chunks"):
+            rule = keras_rules.chunked_attention(data["layer"], ins, outs, data["attention_chunks"])
         by_call[key] = rule
         reads[key] = frozenset(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
         saved.update(reads[key], (outs[i].key for i in rule.saved_outputs if i < len(outs)))
@@ -346,6 +348,18 @@ def node_costs(graph, batch_size=None):
     return _costs(graph, batch_size)[0]
 
 
+def original_baseline(graph, batch_size, memory):
+    """The estimated peak of the model as it is: `memory.baseline_peak()`,
+    or, where calls are marked to run their attention core in chunks
+    (`attention_chunks`), that of the same graph with those cores whole."""
+    if not any(data.get("attention_chunks") for _, data in graph.nodes(data=True)):
+        return memory.baseline_peak()
+    whole = graph.copy()
+    for _, data in whole.nodes(data=True):
+        data.pop("attention_chunks", None)
+    return baseline_peak(whole, node_costs(whole, batch_size))
+
+
 def call_estimates(graph, batch_size=None):
     """One `CallEstimate` per layer call of `graph`, in the planner's order."""
     return _costs(graph, batch_size)[1]
@@ -402,7 +416,7 @@ def estimate(
     batch_size = resolve_batch_size(graph, batch_size)
     costs, calls = _costs(graph, batch_size)
     memory = MemoryModel(graph, costs)  # one O(n^2) table for the three estimates below
-    baseline = baseline_peak(graph, costs, memory=memory)
+    baseline = original_baseline(graph, batch_size, memory)
     if plan is None:
         segments, peak, recompute, recompute_flops = (), baseline, 0.0, 0.0
     else:

@@ -215,13 +215,22 @@ def unknown_rule(layer, ins, outs):
 MHA_SCORE_BUFFERS = 2.2
 
 
-def attention_rule(ins, outs, heads, key_dim, value_dim=None, kv_heads=None, self_attention=False):
+def attention_rule(
+    ins, outs, heads, key_dim, value_dim=None, kv_heads=None, self_attention=False, chunks=None, dropout=False
+):
     """Multi-head attention over `ins` (query, then value unless
     `self_attention`): the q/k/v projections keep their inputs; inside,
     about three projection-sized buffers (q, k, v) and `MHA_SCORE_BUFFERS`
     score-sized buffers (heads x T x S: the softmax output and its
     neighbours) are kept. Fitted on probes over T, E and dropout
-    (docs/estimator.md); dropout made no measurable difference."""
+    (docs/estimator.md); dropout made no measurable difference.
+
+    With its core in `chunks` query chunks (`graphckpt.runtime.attention`),
+    no score-sized buffer is kept but the dropout mask's booleans (with
+    `dropout`); the core's output is kept beside q, k and v, and the
+    backward step holds one chunk's core (`MHA_SCORE_BUFFERS`, and two
+    gradients) while it recomputes it, once more a forward pass of the
+    core."""
     query = ins[0]
     value = ins[1] if len(ins) > 1 and not self_attention else ins[0]
     item = itemsize(query)
@@ -236,7 +245,19 @@ def attention_rule(ins, outs, heads, key_dim, value_dim=None, kv_heads=None, sel
     internal = (q + k + v) * item + MHA_SCORE_BUFFERS * scores * item
     flops = 2.0 * (q * e_q + k * e_v + v * e_v + a * e_out) + 2.0 * scores * (key_dim + value_dim)
     saved = frozenset({0}) if self_attention else frozenset(range(min(len(ins), 3)))
-    return LayerRule(saved_inputs=saved, internal=internal, flops=flops, expensive=True, name="attention")
+    if not chunks:
+        return LayerRule(saved_inputs=saved, internal=internal, flops=flops, expensive=True, name="attention")
+    internal = (q + k + v + a) * item + (scores if dropout else 0)
+    io = sum(i.nbytes for i in ins if is_float(i)) + sum(o.nbytes for o in outs)
+    chunk = math.ceil(t / min(chunks, t)) * heads * s * item
+    return LayerRule(
+        saved_inputs=saved,
+        internal=internal,
+        flops=flops + 2.0 * scores * (key_dim + value_dim),
+        expensive=True,
+        name="attention in chunks",
+        workspace=io + internal + (MHA_SCORE_BUFFERS + 2) * chunk,
+    )
 
 
 def layer_norm_rule(layer, ins, outs):

@@ -158,9 +158,10 @@ class _Builder:
     """Adds the layer calls of a functional model to a graph, flattening
     nested models' calls (see `graphckpt.graph.nesting.flattenable`)."""
 
-    def __init__(self, keep_whole=frozenset(), open_layers=False, known_shapes=None, closed=()):
+    def __init__(self, keep_whole=frozenset(), open_layers=False, known_shapes=None, closed=(), whole_attention=False):
         self.graph = LayerGraph()
         self.open_layers = open_layers  # open composite layers (graphckpt.graph.opening): bool or predicate
+        self.whole_attention = whole_attention  # keep attention calls whole: their cores run in chunks
         self.closed = frozenset(closed)  # paths of composite layer calls kept whole as asked
         self.kept_closed = []  # those found: the predicate's no's, and `closed`
         self.inside = {}  # opened root -> how many calls inside it so far
@@ -237,6 +238,8 @@ class _Builder:
         # Named as `saved_ordinals` names a call inside an opened layer
         # (`<root>#i`): a custom layer's sublayers get other names when loaded.
         where = prefix + op.name if root is None else f"{root}#{self.inside.get(root, 0)}"
+        if self.whole_attention and chunkable_attention(op):
+            return None, None, False
         if isinstance(op, keras.layers.Layer) and keras_compat.has_sublayers(op) and (
             where in self.closed or (callable(self.open_layers) and not self.open_layers(op))
         ):
@@ -314,7 +317,7 @@ def _name_clashes(graph):
     return frozenset(clashes)
 
 
-def build_graph(model, open_layers=False, known_shapes=None, closed=()):
+def build_graph(model, open_layers=False, known_shapes=None, closed=(), whole_attention=False):
     """Builds the layer-call graph of a built functional model.
 
     Args:
@@ -332,6 +335,9 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=()):
             (`graphckpt.graph.shapes.open_graph` finds them).
         closed: paths of composite layer calls to keep whole (a saved
             plan's `kept_closed`).
+        whole_attention: with `open_layers`, keep each
+            `MultiHeadAttention` call whole (`chunkable_attention`): its
+            core runs in query chunks instead (`mark_attention_chunks`).
 
     Returns:
         A `LayerGraph`, as described in the module docstring.
@@ -343,7 +349,7 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=()):
     fn = functional_of(model)
     keep_whole = frozenset()
     while True:
-        builder = _Builder(keep_whole, open_layers, known_shapes, closed)
+        builder = _Builder(keep_whole, open_layers, known_shapes, closed, whole_attention)
         keys = builder.add(fn)
         clashes = _name_clashes(builder.graph)
         if not clashes:
@@ -363,6 +369,29 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=()):
         at_known_shapes=builder.at_known_shapes,
     )
     return graph
+
+
+def chunkable_attention(layer):
+    """Whether `layer`'s attention core can run in query chunks
+    (`graphckpt.runtime.attention`): a `keras.layers.MultiHeadAttention` or
+    a subclass (keras_hub's cached attention) that keeps its
+    `_compute_attention`."""
+    import keras
+
+    attention = keras.layers.MultiHeadAttention
+    return isinstance(layer, attention) and type(layer)._compute_attention is attention._compute_attention
+
+
+def mark_attention_chunks(graph, chunks):
+    """Sets the node attribute `attention_chunks` to `chunks` on each call
+    of a `chunkable_attention` layer (the estimator counts its core in
+    chunks, the rewrite runs it so); returns how many calls it marked."""
+    marked = 0
+    for _, data in graph.nodes(data=True):
+        if data.get("kind") != INPUT and chunkable_attention(data.get("layer")):
+            data["attention_chunks"] = chunks
+            marked += 1
+    return marked
 
 
 def live_tensors(graph):

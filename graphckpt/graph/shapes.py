@@ -39,7 +39,7 @@ import networkx as nx
 
 from graphckpt import errors, keras_compat
 from graphckpt.errors import UnknownDimensionWarning
-from graphckpt.graph.build import build_graph, dtype_size, functional_of
+from graphckpt.graph.build import build_graph, dtype_size, functional_of, mark_attention_chunks
 from graphckpt.graph.layer_graph import INPUT
 
 __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propagate", "unknown_inputs"]
@@ -325,16 +325,16 @@ def sized_graph(graph, input_shape=None, batch_size=None, *, stacklevel=2):
     return graph.with_tensors(tensors), batch
 
 
-def open_graph(model, input_shape=None, batch_size=None, open_layers=True, closed=()):
+def open_graph(model, input_shape=None, batch_size=None, open_layers=True, closed=(), whole_attention=False):
     """`(graph, shapes)`: `model`'s layer-call graph with its composite
     layers opened (`build_graph(..., open_layers=True)`), and the input
     shapes to size it with: `input_shape`, parsed, where given (a layer
     whose trace needs a known dimension is traced at it), else the model's
     own. A layer is traced at a fixed batch size only where `input_shape`
-    gives one. `open_layers` (True or a predicate) and `closed` as for
-    `build_graph`."""
+    gives one. `open_layers` (True or a predicate), `closed` and
+    `whole_attention` as for `build_graph`."""
     if input_shape is None:
-        graph = build_graph(model, open_layers=open_layers, closed=closed)
+        graph = build_graph(model, open_layers=open_layers, closed=closed, whole_attention=whole_attention)
         return graph, [tuple(t.shape) for t in functional_of(model).inputs]
     plain = build_graph(model)
     parse_input_shape(plain, input_shape, batch_size)  # raises on a wrong one
@@ -344,16 +344,24 @@ def open_graph(model, input_shape=None, batch_size=None, open_layers=True, close
     known = {
         key: [tensors[k].shape for k in data["in_keys"]] for key, data in plain.nodes(data=True) if data["kind"] != INPUT
     }
-    graph = build_graph(model, open_layers=open_layers, known_shapes=known, closed=closed)
+    graph = build_graph(model, open_layers=open_layers, known_shapes=known, closed=closed, whole_attention=whole_attention)
     return graph, [tuple(s) for s in shapes]
 
 
 def plan_graph(model, plan):
     """The layer-call graph `plan` was made on, opened as it was: `plan` a
     `graphckpt.Plan`, or the `info` of a saved one (a dict)."""
-    fields = ("open_layers", "opened_at", "kept_closed")
+    fields = ("open_layers", "opened_at", "kept_closed", "attention_chunks")
     info = plan if isinstance(plan, Mapping) else {f: getattr(plan, f) for f in fields}
+    chunks = info.get("attention_chunks")
     if not info.get("open_layers"):
-        return build_graph(model)
-    at = info.get("opened_at")
-    return open_graph(model, None if at is None else [tuple(s) for s in at], closed=info.get("kept_closed", ()))[0]
+        graph = build_graph(model)
+    else:
+        at = info.get("opened_at")
+        graph = open_graph(
+            model, None if at is None else [tuple(s) for s in at], closed=info.get("kept_closed", ()),
+            whole_attention=bool(chunks),
+        )[0]
+    if chunks:
+        mark_attention_chunks(graph, chunks)
+    return graph

@@ -71,6 +71,9 @@ class Plan:
             trace only at known shapes were opened at, or None.
         kept_closed: the paths of the composite layer calls kept whole
             because a predicate `open_layers` said so.
+        attention_chunks: the number of query chunks each
+            `MultiHeadAttention` call's core runs in, or None
+            (`graphckpt.plan(..., attention_chunks=...)`).
     """
 
     segments: tuple
@@ -84,6 +87,7 @@ class Plan:
     open_layers: bool = False
     opened_at: tuple | None = None
     kept_closed: tuple = ()
+    attention_chunks: int | None = None
 
     @property
     def num_layer_calls(self):

@@ -15,7 +15,8 @@ import keras
 from keras import tree
 
 from graphckpt import errors, keras_compat
-from graphckpt.graph.build import functional_of, live_tensors
+from graphckpt.graph.build import functional_of, live_tensors, mark_attention_chunks
+from graphckpt.runtime import attention
 from graphckpt.runtime.segment import Segment
 
 __all__ = ["rewrite", "OutputName"]
@@ -106,15 +107,18 @@ def _replay_calls(graph, nodes, values, calls):
         node = data["node"]
         by_id = {id(t): values[k] for t, k in zip(node.input_tensors, data["in_keys"])}
         args, kwargs = node.arguments.fill_in(by_id)
+        operation = node.operation
+        if data.get("attention_chunks"):  # its core in query chunks (graphckpt.runtime.attention)
+            operation = attention.chunked(operation, data["attention_chunks"])
         if data["training"] is not None and keras_compat.takes_call_context_arg(node.operation, "training"):
             # What the enclosing nested model's call passed on to this call,
             # resolved against the call's own as Keras resolves them.
             kwargs["training"] = keras_compat.resolve_training(data["training"], kwargs.get("training"))
         try:
-            outputs = tree.flatten(node.operation(*args, **kwargs))
+            outputs = tree.flatten(operation(*args, **kwargs))
         except Exception as e:
             raise _cannot_replay(node.operation, e) from e
-        calls.append(keras_compat.inbound_nodes(node.operation)[-1])
+        calls.append(keras_compat.inbound_nodes(operation)[-1])
         values.update(zip(data["out_keys"], outputs))
 
 
@@ -284,6 +288,8 @@ def rewrite(model, graph, plan, model_class):
     """
     fn = functional_of(model)
     policy = model.dtype_policy
+    if plan.attention_chunks:
+        mark_attention_chunks(graph, plan.attention_chunks)
     source_names = _source_names(model, graph)
     lengths = _nodes_lengths(graph)
     try:

@@ -1,0 +1,248 @@
+"""Attention in query chunks: the scores of one chunk at a time.
+
+One `MultiHeadAttention` call over T queries and S keys holds score-sized
+tensors (heads x T x S: the softmax output, its dropout mask and output,
+and their gradients in the backward pass). A cut between layer calls
+cannot go inside one call, so at long sequences they bound the peak of any
+plan. `ChunkedAttention(attention, chunks)` calls the layer as it is, except
+for its attention core (`MultiHeadAttention._compute_attention`): the
+query positions are cut into `chunks` runs, and each run's core (scores,
+softmax, dropout, the weighted sum of the values) is rematerialized on its
+own (`graphckpt.runtime.remat.segment_remat`). The forward pass keeps no
+score-sized tensor; the backward pass recomputes one chunk's at a time.
+It is the attention-core recompute of Korthikanti et al. (2022), over
+query chunks as in Rabe & Staats (2021).
+
+What stays the same:
+- each output row comes from the same ops on the same values as in the
+  layer (a row of scores is a function of its own query only);
+- dropout: the mask is drawn once, for the whole score tensor, by the
+  layer's own Dropout layer (the same seed draw, in the same order), kept
+  as booleans (a quarter of one float32 score tensor), and applied per
+  chunk with the backend's own arithmetic (`_apply_dropout`);
+- masks: padding, causal and explicit attention masks are cut with the
+  queries.
+
+What changes: the gradients of the keys and values are sums over the query
+positions, taken chunk by chunk, so their rounding differs from one sum
+(as with a fused attention kernel's). `chunks=1` keeps one sum: equal bit
+for bit, with only the recompute added.
+
+Not chunked (the layer's own core runs): `return_attention_scores=True`,
+attention over more than one axis, an unknown number of queries, flash
+attention.
+
+References:
+    Korthikanti et al. "Reducing Activation Recomputation in Large
+    Transformer Models", 2022 (selective recompute of the attention core).
+
+    Rabe, Staats. "Self-attention Does Not Need O(n^2) Memory", 2021
+    (query chunks, each checkpointed).
+"""
+
+import contextlib
+import inspect
+
+import keras
+from keras import ops
+
+from graphckpt.runtime.remat import segment_remat
+
+__all__ = ["ChunkedAttention", "chunked", "is_chunkable"]
+
+_CACHE_ATTR = "_graphckpt_chunked"  # on the attention layer: {chunks: ChunkedAttention}
+
+
+def is_chunkable(layer):
+    """Whether `layer`'s attention core can be run in query chunks: a
+    `keras.layers.MultiHeadAttention` or subclass (keras_hub's cached
+    attention) that does not replace `_compute_attention` itself."""
+    return (
+        isinstance(layer, keras.layers.MultiHeadAttention)
+        and type(layer)._compute_attention is keras.layers.MultiHeadAttention._compute_attention
+    )
+
+
+def chunked(layer, chunks):
+    """The `ChunkedAttention` of `layer` for `chunks`, made once per layer
+    and chunk count, so every rewrite of a model calls the same object."""
+    cache = layer.__dict__.get(_CACHE_ATTR)
+    if cache is None:
+        cache = {}
+        object.__setattr__(layer, _CACHE_ATTR, cache)
+    if chunks not in cache:
+        cache[chunks] = _wrapper_class(type(layer))(layer, chunks)
+    return cache[chunks]
+
+
+def _wrapper_class(attention_class):
+    """A `ChunkedAttention` subclass whose `call` has the signature of
+    `attention_class.call`, so Keras passes it each argument as the layer
+    itself gets it (masks, `training`, keras_hub's cache arguments)."""
+
+    def call(self, *args, **kwargs):
+        with _core_in_chunks(self.attention, self.chunks):
+            return self.attention(*args, **kwargs)
+
+    call.__signature__ = inspect.signature(attention_class.call)
+    return type(f"Chunked{attention_class.__name__}", (ChunkedAttention,), {"call": call})
+
+
+class ChunkedAttention(keras.layers.Layer):
+    """Calls `attention` with its attention core run in `chunks` query
+    chunks, each recomputed in the backward pass (module docstring). Its
+    variables are `attention`'s (`is`-identical); it has none of its own.
+    Internal to checkpointed models: the plan records `attention_chunks`,
+    and saving writes the source model, whose rewrite makes it again."""
+
+    def __init__(self, attention, chunks, **kwargs):
+        kwargs.setdefault("name", attention.name)
+        # The inputs reach `attention` as they come: its own call casts them.
+        super().__init__(autocast=False, dtype=attention.dtype_policy, **kwargs)
+        self.attention = attention
+        self.chunks = int(chunks)
+        self.supports_masking = attention.supports_masking
+        self.built = True
+
+    def compute_output_spec(self, *args, **kwargs):
+        return self.attention.compute_output_spec(*args, **kwargs)
+
+    def compute_mask(self, *args, **kwargs):
+        return self.attention.compute_mask(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _core_in_chunks(attention, chunks):
+    """`attention._compute_attention`, for the duration of one call, the
+    chunked core; restored after, even on an error."""
+    original = attention._compute_attention
+    had_own = "_compute_attention" in attention.__dict__
+
+    def compute(query, key, value, attention_mask=None, training=None, return_attention_scores=False,
+                use_causal_mask=False):
+        if (
+            return_attention_scores
+            or len(query.shape) != 4
+            or tuple(attention._attention_axes) != (1,)
+            or query.shape[1] is None
+            or attention._flash_attention
+        ):
+            extra = {"use_causal_mask": True} if use_causal_mask else {}
+            return original(query, key, value, attention_mask, training, return_attention_scores, **extra)
+        return _chunked_core(attention, chunks, query, key, value, attention_mask, training, use_causal_mask), None
+
+    object.__setattr__(attention, "_compute_attention", compute)
+    try:
+        yield
+    finally:
+        if had_own:
+            object.__setattr__(attention, "_compute_attention", original)
+        else:
+            object.__delattr__(attention, "_compute_attention")
+
+
+def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
+    """`MultiHeadAttention._compute_attention`'s output, query chunk by
+    query chunk: its two paths (explicit scores when the layer has
+    dropout, else `ops.dot_product_attention`) with their masks."""
+    scores_path = layer._dropout > 0.0
+    if causal:  # as the layer's scores path builds it; its fused path takes is_causal
+        causal_mask = layer._compute_causal_mask(query, value)
+        mask = causal_mask if mask is None else ops.logical_and(ops.cast(mask, "bool"), causal_mask)
+    if mask is not None and not scores_path:  # as the fused path shapes it: [B, N, T, S]
+        for _ in range(4 - len(mask.shape)):
+            mask = ops.expand_dims(mask, axis=-len(layer._attention_axes) * 2 - 1)
+        mask = ops.cast(mask, "bool")
+    keep = _dropout_keep(layer, query, key) if scores_path and training else None
+    t = query.shape[1]
+    chunks = max(1, min(chunks, t))
+    bounds = [t * i // chunks for i in range(chunks + 1)]
+
+    def core(q, k, v, keep_c, mask_c):
+        if not scores_path:
+            return ops.dot_product_attention(
+                query=q, key=k, value=v, bias=None, mask=mask_c, scale=layer._inverse_sqrt_key_dim,
+                is_causal=False, flash_attention=layer._flash_attention,
+            )
+        q = ops.multiply(q, ops.cast(layer._inverse_sqrt_key_dim, q.dtype))
+        scores = ops.einsum(layer._dot_product_equation, k, q)
+        scores = layer._masked_softmax(scores, mask_c)
+        if keep_c is not None:
+            scores = _apply_dropout(layer._dropout_layer, scores, keep_c)
+        return ops.einsum(layer._combine_equation, scores, v)
+
+    outputs = []
+    for a, b in zip(bounds, bounds[1:]):
+        keep_c = None if keep is None else keep[:, :, a:b]
+        mask_c = None if mask is None else _rows(mask, a, b)
+        outputs.append(_remat(core, [query[:, a:b], key, value], [keep_c, mask_c]))
+    return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs, axis=1)
+
+
+def _rows(mask, a, b):
+    """Query rows a:b of a mask whose query axis is its second last, or
+    the mask itself where that axis broadcasts (size 1)."""
+    return mask if mask.shape[-2] == 1 else mask[..., a:b, :]
+
+
+def _dropout_keep(layer, query, key):
+    """Which score entries the layer's dropout keeps: its Dropout layer
+    called once on ones of the scores' shape, dtype and seed draw (the
+    values it draws depend on these only), as booleans."""
+    dropout = layer._dropout_layer
+    shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    if any(d is None for d in shape):  # a symbolic batch: its run-time size
+        shape = (ops.shape(query)[0], query.shape[2], query.shape[1], key.shape[1])
+    ones = ops.ones(shape, dtype=dropout.compute_dtype)
+    return ops.not_equal(dropout(ones, training=True), 0)
+
+
+def _apply_dropout(dropout, x, keep):
+    """`dropout(x, training=True)` for the mask `keep`, with the arithmetic
+    of the backend's `keras.random.dropout` (Keras 3.15), so the values are
+    equal bit for bit."""
+    x = ops.cast(x, dropout.compute_dtype)
+    rate = dropout.rate
+    backend = keras.backend.backend()
+    if backend == "tensorflow":  # tf.nn.experimental.stateless_dropout
+        import tensorflow as tf
+
+        return tf.where(keep, x * tf.constant(1 / (1 - rate), x.dtype), tf.zeros([], x.dtype))
+    if backend == "torch":
+        import torch
+
+        seed = dropout.seed_generator
+        if seed._initial_seed is None and dropout.noise_shape is None:  # torch's own dropout: x * (mask / p)
+            return x * keep.to(x.dtype).div_(1.0 - rate)
+        return torch.where(keep, x / (1.0 - rate), torch.zeros_like(x))
+    import jax
+
+    return jax.lax.select(keep, x / (1.0 - rate), jax.numpy.zeros_like(x))
+
+
+def _remat(fn, tensors, extras):
+    """`fn(*tensors, *extras)` rematerialized: the forward pass keeps only
+    the arguments; `extras` (boolean masks, or None) get no gradient. On
+    TensorFlow they are closed over and tied to the incoming gradient
+    (`segment_remat`'s `tie`); elsewhere they are arguments."""
+    n = len(tensors)
+    present = [i for i, e in enumerate(extras) if e is not None]
+    if keras.backend.backend() == "tensorflow":
+
+        def closed(*args, tie=None):
+            given = [extras[i] for i in present]
+            given = given if tie is None or not given else tie(given)
+            full = list(extras)
+            for i, e in zip(present, given):
+                full[i] = e
+            return (fn(*args, *full),)
+
+        return segment_remat(closed, n)(*tensors)[0]
+
+    def passed(*args):
+        full = list(extras)
+        for i, e in zip(present, args[n:]):
+            full[i] = e
+        return (fn(*args[:n], *full),)
+
+    return segment_remat(passed, n)(*tensors, *[extras[i] for i in present])[0]
