@@ -17,6 +17,11 @@ adds budget plans with open layers, at the default plan's estimated peak x
 1.05 and at 0.45 of the estimated baseline (the planner picks what to keep
 inside the blocks), and the named policy `save_projections` (Megatron's
 selective recompute: projections kept, attention core recomputed).
+
+`--chunks K` adds two methods: `attention_chunks=K` (each
+MultiHeadAttention call's core in K query chunks, each recomputed:
+graphckpt.runtime.attention), and the same with `open_layers=True` (a
+user's block opens; its attention stays whole, in chunks).
 """
 
 import argparse
@@ -72,6 +77,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=None, help="add plans with attention_chunks=K")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     kwargs = {"seq_len": args.seq_len} if args.family == "user_blocks" else {}
@@ -81,6 +87,13 @@ def main(argv=None):
     if args.family == "gpt2":
         shape = {"token_ids": (args.batch_size, args.seq_len), "padding_mask": (args.batch_size, args.seq_len)}
         builder, methods, extra = f"{HUB}:gpt2_backbone", _gpt2_methods(shape), {"input_shape": shape, "timeout": 1800}
+    if args.chunks:
+        methods = dict(methods)
+        common = dict(methods["graphckpt (blocks whole)"].get("checkpoint_kwargs", {}), attention_chunks=args.chunks)
+        methods[f"attention_chunks={args.chunks}"] = dict(method="graphckpt", checkpoint_kwargs=common)
+        methods[f"open, attention_chunks={args.chunks}"] = dict(
+            method="graphckpt", checkpoint_kwargs=dict(common, open_layers=True)
+        )
     runs = alternate(
         methods,
         args.rounds,

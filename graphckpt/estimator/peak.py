@@ -36,7 +36,7 @@ import keras
 
 from graphckpt import errors, keras_compat
 from graphckpt.estimator import cost_model, keras_rules, layers_inside, rules
-from graphckpt.graph.build import build_graph, functional_of
+from graphckpt.graph.build import build_graph, functional_of, mark_attention_chunks
 from graphckpt.graph.layer_graph import LayerGraph
 from graphckpt.graph.shapes import InputShape, open_graph, propagate, sized_graph
 from graphckpt.planner import (
@@ -405,10 +405,15 @@ def estimate(
         >>> e = estimate(model, graphckpt.plan(model), batch_size=32)
         >>> e.peak_bytes / e.baseline_peak_bytes
     """
+    chunks = plan.attention_chunks if isinstance(plan, Plan) else None
     if graph is None and isinstance(plan, Plan) and plan.open_layers:  # as the plan was made
-        graph, input_shape = open_graph(model, input_shape or plan.opened_at, batch_size, closed=plan.kept_closed)
+        graph, input_shape = open_graph(
+            model, input_shape or plan.opened_at, batch_size, closed=plan.kept_closed, whole_attention=bool(chunks)
+        )
     elif graph is None:
         graph = build_graph(model)
+    if chunks:
+        mark_attention_chunks(graph, chunks)
     if batch_size is not None:
         resolve_batch_size(graph, batch_size)  # checked before comparing it with `input_shape`
     if input_shape is not None or not graph.shapes_resolved:

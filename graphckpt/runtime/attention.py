@@ -46,6 +46,7 @@ import inspect
 import keras
 from keras import ops
 
+from graphckpt import keras_compat
 from graphckpt.runtime.remat import segment_remat
 
 __all__ = ["ChunkedAttention", "chunked", "is_chunkable"]
@@ -68,11 +69,20 @@ def chunked(layer, chunks):
     and chunk count, so every rewrite of a model calls the same object."""
     cache = layer.__dict__.get(_CACHE_ATTR)
     if cache is None:
-        cache = {}
+        cache = _Wrappers()
         object.__setattr__(layer, _CACHE_ATTR, cache)
-    if chunks not in cache:
-        cache[chunks] = _wrapper_class(type(layer))(layer, chunks)
-    return cache[chunks]
+    if chunks not in cache.by_chunks:
+        cache.by_chunks[chunks] = _wrapper_class(type(layer))(layer, chunks)
+    return cache.by_chunks[chunks]
+
+
+class _Wrappers:
+    """A layer's `ChunkedAttention`s by chunk count. A plain object, so
+    Keras neither tracks them as sublayers nor walks them when saving (a
+    dict would be walked, into a cycle back to the layer)."""
+
+    def __init__(self):
+        self.by_chunks = {}
 
 
 def _wrapper_class(attention_class):
@@ -171,11 +181,11 @@ def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
             scores = _apply_dropout(layer._dropout_layer, scores, keep_c)
         return ops.einsum(layer._combine_equation, scores, v)
 
-    outputs = []
+    outputs, after = [], []
     for a, b in zip(bounds, bounds[1:]):
         keep_c = None if keep is None else keep[:, :, a:b]
         mask_c = None if mask is None else _rows(mask, a, b)
-        outputs.append(_remat(core, [query[:, a:b], key, value], [keep_c, mask_c]))
+        outputs.append(_remat(core, [query[:, a:b], key, value], [keep_c, mask_c], after))
     return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs, axis=1)
 
 
@@ -186,15 +196,36 @@ def _rows(mask, a, b):
 
 
 def _dropout_keep(layer, query, key):
-    """Which score entries the layer's dropout keeps: its Dropout layer
-    called once on ones of the scores' shape, dtype and seed draw (the
-    values it draws depend on these only), as booleans."""
+    """Which score entries the layer's dropout keeps, as booleans: the
+    draw `keras.random.dropout` makes for the scores (Keras 3.15: one seed
+    from the Dropout layer's seed generator, the scores' shape and dtype),
+    without the float tensors a whole dropout call would also make."""
     dropout = layer._dropout_layer
     shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
     if any(d is None for d in shape):  # a symbolic batch: its run-time size
         shape = (ops.shape(query)[0], query.shape[2], query.shape[1], key.shape[1])
-    ones = ops.ones(shape, dtype=dropout.compute_dtype)
-    return ops.not_equal(dropout(ones, training=True), 0)
+    dtype, rate = dropout.compute_dtype, dropout.rate
+    backend = keras.backend.backend()
+    if backend == "tensorflow":  # tf.nn.experimental.stateless_dropout
+        import tensorflow as tf
+
+        seed = keras_compat.tf_cast_seed(keras_compat.draw_seed(dropout.seed_generator))
+        return tf.random.stateless_uniform(shape, seed=seed, dtype=dtype) >= rate
+    if backend == "jax":
+        import jax
+
+        return jax.random.bernoulli(keras_compat.draw_seed(dropout.seed_generator), p=1.0 - rate, shape=shape)
+    import torch
+
+    if _torch_native_dropout(dropout):  # torch's own dropout: bernoulli_ on an empty input-like tensor
+        return torch.empty(shape, dtype=getattr(torch, dtype)).bernoulli_(1.0 - rate) != 0
+    full = torch.full(shape, 1.0 - rate)
+    return torch.bernoulli(full, generator=keras_compat.torch_seed_generator(dropout.seed_generator)).bool()
+
+
+def _torch_native_dropout(dropout):
+    """Whether Keras's PyTorch dropout runs torch's own (unseeded) kernel."""
+    return dropout.seed_generator._initial_seed is None and dropout.noise_shape is None
 
 
 def _apply_dropout(dropout, x, keep):
@@ -211,8 +242,7 @@ def _apply_dropout(dropout, x, keep):
     if backend == "torch":
         import torch
 
-        seed = dropout.seed_generator
-        if seed._initial_seed is None and dropout.noise_shape is None:  # torch's own dropout: x * (mask / p)
+        if _torch_native_dropout(dropout):  # torch's own dropout: x * (mask / p)
             return x * keep.to(x.dtype).div_(1.0 - rate)
         return torch.where(keep, x / (1.0 - rate), torch.zeros_like(x))
     import jax
@@ -220,24 +250,22 @@ def _apply_dropout(dropout, x, keep):
     return jax.lax.select(keep, x / (1.0 - rate), jax.numpy.zeros_like(x))
 
 
-def _remat(fn, tensors, extras):
+def _remat(fn, tensors, extras, after):
     """`fn(*tensors, *extras)` rematerialized: the forward pass keeps only
-    the arguments; `extras` (boolean masks, or None) get no gradient. On
-    TensorFlow they are closed over and tied to the incoming gradient
-    (`segment_remat`'s `tie`); elsewhere they are arguments."""
+    the arguments; `extras` (boolean masks, or None) get no gradient.
+
+    The chunks' backward steps are independent of one another, and a
+    scheduler may run them all at once, every chunk's scores alive
+    together. So each recompute waits for the gradients of the chunk whose
+    backward step ran before it: `after` (a list shared by the chunks of
+    one call) holds those. On TensorFlow the wait is `tf_tie`'s data
+    dependency (XLA keeps it); PyTorch's autograd runs one step at a time
+    anyway; on JAX the chunks go through `segment_remat`."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return _tf_remat_after(fn, tensors, extras, after)
     n = len(tensors)
     present = [i for i, e in enumerate(extras) if e is not None]
-    if keras.backend.backend() == "tensorflow":
-
-        def closed(*args, tie=None):
-            given = [extras[i] for i in present]
-            given = given if tie is None or not given else tie(given)
-            full = list(extras)
-            for i, e in zip(present, given):
-                full[i] = e
-            return (fn(*args, *full),)
-
-        return segment_remat(closed, n)(*tensors)[0]
 
     def passed(*args):
         full = list(extras)
@@ -246,3 +274,30 @@ def _remat(fn, tensors, extras):
         return (fn(*args[:n], *full),)
 
     return segment_remat(passed, n)(*tensors, *[extras[i] for i in present])[0]
+
+
+def _tf_remat_after(fn, tensors, extras, after):
+    import tensorflow as tf
+
+    from graphckpt.runtime.remat_tensorflow import tf_tie
+
+    _, record = keras_compat.tf_eager_internals()
+
+    @tf.custom_gradient
+    def remat(*args):
+        with record.stop_recording():
+            out = fn(*args, *extras)
+
+        def grad(dout):
+            tied = tf_tie(list(args) + list(extras), [dout] + after)
+            with tf.GradientTape() as tape:
+                tape.watch(tied[: len(args)])
+                again = fn(*tied)
+            grads = tape.gradient(again, tied[: len(args)], output_gradients=dout)
+            grads = [tf.zeros_like(x) if g is None else g for x, g in zip(args, grads)]
+            after[:] = grads
+            return grads
+
+        return out, grad
+
+    return remat(*tensors)

@@ -1,0 +1,214 @@
+"""Attention cores in query chunks (`attention_chunks=`,
+`graphckpt.runtime.attention`): the same outputs and dropout masks as the
+layer, gradients equal to rounding, each chunk really recomputed, and
+models that train like the original on every backend."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from keras import layers
+
+import graphckpt
+from graphckpt.runtime.attention import ChunkedAttention, chunked
+from tests.helpers import compare_step, to_numpy
+from tests.test_opening import blocks_model
+
+pytestmark = pytest.mark.backends
+
+BACKEND = keras.backend.backend()
+T, DIM = 24, 16
+
+
+def _attention(dropout, seed=None):
+    keras.utils.set_random_seed(1)
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=dropout, seed=seed)
+    x = np.random.default_rng(0).standard_normal((2, T, DIM)).astype("float32")
+    layer(x, x)
+    return layer, x
+
+
+def _call_and_grads(layer, weights, x, kwargs):
+    """Output, and gradients of sum(output**2) wrt `x` and `weights`, in
+    one training call, eagerly."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        xt = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(xt)
+            y = layer(xt, xt, training=True, **kwargs)
+            loss = tf.reduce_sum(y * y)
+        grads = tape.gradient(loss, [xt] + [w.value for w in weights])
+    elif BACKEND == "jax":
+        import jax
+
+        values = [w.value for w in weights]
+        others = [v.value for v in layer.non_trainable_variables]
+
+        def f(values, xx):
+            y, _ = layer.stateless_call(values, others, xx, xx, training=True, **kwargs)
+            return (y * y).sum(), y
+
+        (_, y), (g_w, g_x) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(values, x)
+        grads = [g_x] + list(g_w)
+    else:
+        import torch
+
+        xt = torch.tensor(x, requires_grad=True)
+        y = layer(xt, xt, training=True, **kwargs)
+        (y * y).sum().backward()
+        grads = [xt.grad] + [w.value.grad for w in weights]
+        for w in weights:
+            w.value.grad = None
+    return to_numpy(y), [to_numpy(g) for g in grads]
+
+
+def _run(layer, x, chunks, kwargs):
+    keras.utils.set_random_seed(7)  # the global torch generator, for unseeded dropout
+    state = [to_numpy(v.value) for v in layer.variables]  # seed generator states too
+    target = layer if chunks is None else chunked(layer, chunks)
+    result = _call_and_grads(target, layer.trainable_variables, x, kwargs)
+    for v, s in zip(layer.variables, state):
+        v.assign(s)
+    return result
+
+
+MASKS = {
+    "none": lambda: {},
+    "causal": lambda: {"use_causal_mask": True},
+    "padding": lambda: {"attention_mask": np.arange(T)[None, None, :] < np.array([T, T - 5])[:, None, None]},
+}
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("dropout,seed", [(0.0, None), (0.3, None), (0.3, 5)])
+def test_chunked_core_gives_the_layers_outputs_and_its_gradients_to_rounding(dropout, seed, mask):
+    layer, x = _attention(dropout, seed)
+    kwargs = MASKS[mask]()
+    y0, g0 = _run(layer, x, None, kwargs)
+    scale = max(np.abs(g).max() for g in g0)
+    for chunks in (1, 5):
+        y1, g1 = _run(layer, x, chunks, kwargs)
+        if BACKEND == "jax":  # XLA rewrites and fuses per shape: equal to rounding
+            np.testing.assert_allclose(y1, y0, atol=2e-6, rtol=0)
+        else:  # each output row: the same ops on the same values, dropout mask included
+            np.testing.assert_array_equal(y1, y0)
+        for a, b in zip(g1, g0):
+            np.testing.assert_allclose(a, b, atol=2e-6 * scale, rtol=0)
+    if dropout:  # the mask is applied: not what inference gives
+        inference = to_numpy(chunked(layer, 5)(x, x, training=False, **kwargs))
+        assert np.abs(inference - y1).max() > 1e-2
+
+
+def test_one_chunk_keeps_the_gradients_bit_for_bit_where_the_backend_refuses_nothing():
+    if BACKEND != "torch":
+        pytest.skip("TensorFlow's oneDNN and XLA round per kernel choice; PyTorch's CPU kernels do not")
+    layer, x = _attention(0.3, seed=5)
+    _, g0 = _run(layer, x, None, {})
+    _, g1 = _run(layer, x, 1, {})
+    for a, b in zip(g1, g0):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_each_chunk_is_recomputed_once_in_the_backward_pass():
+    if BACKEND == "jax":
+        pytest.skip("JAX traces each function once; counted on the eager backends")
+    layer, x = _attention(0.3)
+    calls = []
+    original = layer._masked_softmax
+
+    def counted(scores, mask=None):
+        calls.append(tuple(scores.shape))
+        return original(scores, mask)
+
+    object.__setattr__(layer, "_masked_softmax", counted)
+    try:
+        _call_and_grads(chunked(layer, 4), layer.trainable_variables, x, {})
+    finally:
+        object.__delattr__(layer, "_masked_softmax")
+    # 4 chunks of 6 queries: forward, then each recomputed once; never the whole T x T.
+    assert calls == [(2, 2, 6, T)] * 8
+    assert "_compute_attention" not in layer.__dict__  # the layer's own core is back
+
+
+def _transformer(rate=0.1, seq=32, dim=16, depth=2):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((seq, dim))
+    x = layers.Dense(dim)(inp)
+    for _ in range(depth):
+        h = layers.LayerNormalization()(x)
+        h = layers.MultiHeadAttention(2, dim // 2, dropout=rate)(h, h)
+        x = layers.Add()([x, layers.Dropout(rate)(h)])
+        x = layers.Add()([x, layers.Dense(dim)(layers.LayerNormalization()(x))])
+    return keras.Model(inp, layers.Dense(3)(layers.GlobalAveragePooling1D()(x)))
+
+
+def test_a_model_with_attention_chunks_trains_like_the_original():
+    model = _transformer()
+    ck = graphckpt.checkpoint_model(model, segments=2, batch_size=4, attention_chunks=4)
+    assert ck.plan.attention_chunks == 4
+    wrappers = [
+        layer for seg in ck.layers for layer in getattr(seg, "_flatten_layers", lambda **k: [])(include_self=False)
+        if isinstance(layer, ChunkedAttention)
+    ]
+    attention = [layer for layer in model.layers if isinstance(layer, layers.MultiHeadAttention)]
+    assert sorted(id(w.attention) for w in wrappers) == sorted(id(a) for a in attention)
+    assert all(any(v is w for w in model.weights) for v in ck.weights) and len(ck.weights) == len(model.weights)
+    x = np.random.default_rng(0).standard_normal((4, 32, 16)).astype("float32")
+    compare_step(model, ck, x, compiled=True, atol=1e-6, rtol=1e-5)
+    compare_step(model, ck, x, compiled=False, atol=1e-6, rtol=1e-5)
+
+
+def test_the_estimate_counts_no_score_sized_buffer_and_the_baseline_stays_the_originals():
+    model = _transformer(seq=256, dim=32, depth=2)
+    whole = graphckpt.plan(model, batch_size=4)
+    in_chunks = graphckpt.plan(model, batch_size=4, attention_chunks=8)
+    assert in_chunks.baseline_peak_bytes == whole.baseline_peak_bytes
+    scores = 4 * 2 * 256 * 256 * 4  # one float32 score tensor: batch x heads x T x S
+    assert in_chunks.estimated_peak_bytes < whole.estimated_peak_bytes - scores
+    chunked_estimate = graphckpt.estimate(model, in_chunks, batch_size=4)
+    assert chunked_estimate.peak_bytes == in_chunks.estimated_peak_bytes
+
+
+def test_user_blocks_open_around_whole_attention_in_chunks():
+    model = blocks_model(n=2, seq=16)
+    ck = graphckpt.checkpoint_model(model, batch_size=2, open_layers=True, attention_chunks=3)
+    graph = graphckpt.api.planned(model, batch_size=2, open_layers=True, attention_chunks=3).graph
+    kinds = [type(d["layer"]).__name__ for _, d in graph.nodes(data=True) if d.get("attention_chunks")]
+    assert kinds == ["MultiHeadAttention", "MultiHeadAttention"]
+    assert ck.plan.open_layers and ck.plan.kept_closed == ()
+    x = np.random.default_rng(0).standard_normal((2, 16, 16)).astype("float32")
+    compare_step(model, ck, x, atol=1e-6, rtol=1e-5)
+
+
+def test_saving_keeps_the_chunks(tmp_path):
+    model = _transformer()
+    ck = graphckpt.checkpoint_model(model, segments=2, batch_size=4, attention_chunks=4)
+    path = str(tmp_path / "ck.keras")
+    ck.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.plan.attention_chunks == 4
+    x = np.random.default_rng(0).standard_normal((4, 32, 16)).astype("float32")
+    np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(model(x)), atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 2.5, "8"])
+def test_a_bad_chunk_count_is_one_clear_error(bad):
+    with pytest.raises(graphckpt.InvalidArgumentError, match="attention_chunks"):
+        graphckpt.plan(_transformer(), attention_chunks=bad)
+
+
+def test_a_model_without_attention_warns_and_plans_as_without_chunks():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,))
+    x = inp
+    for _ in range(4):
+        x = layers.Dense(8, activation="relu")(x)
+    model = keras.Model(inp, x)
+    with pytest.warns(graphckpt.GraphckptWarning, match="no MultiHeadAttention"):
+        p = graphckpt.plan(model, attention_chunks=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert p == graphckpt.plan(model)
