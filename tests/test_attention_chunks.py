@@ -91,7 +91,10 @@ def test_chunked_core_gives_the_layers_outputs_and_its_gradients_to_rounding(dro
     scale = max(np.abs(g).max() for g in g0)
     for chunks in (1, 5):
         y1, g1 = _run(layer, x, chunks, kwargs)
-        if BACKEND == "jax":  # XLA rewrites and fuses per shape: equal to rounding
+        if BACKEND == "jax" or not dropout:
+            # XLA rewrites and fuses per shape, and without dropout the core is
+            # the backend's fused attention, whose kernel (PyTorch's flash or
+            # math) depends on the shapes and the mask: equal to rounding.
             np.testing.assert_allclose(y1, y0, atol=2e-6, rtol=0)
         else:  # each output row: the same ops on the same values, dropout mask included
             np.testing.assert_array_equal(y1, y0)
@@ -157,8 +160,8 @@ def test_a_model_with_attention_chunks_trains_like_the_original():
     assert sorted(id(w.attention) for w in wrappers) == sorted(id(a) for a in attention)
     assert all(any(v is w for w in model.weights) for v in ck.weights) and len(ck.weights) == len(model.weights)
     x = np.random.default_rng(0).standard_normal((4, 32, 16)).astype("float32")
-    compare_step(model, ck, x, compiled=True, atol=1e-6, rtol=1e-5)
-    compare_step(model, ck, x, compiled=False, atol=1e-6, rtol=1e-5)
+    for compiled in (False, True) if BACKEND != "torch" else (False,):  # tf.function / jax.jit
+        compare_step(model, ck, x, compiled=compiled, atol=1e-6, rtol=1e-5)
 
 
 def test_the_estimate_counts_no_score_sized_buffer_and_the_baseline_stays_the_originals():
