@@ -16,7 +16,8 @@ import keras
 
 from graphckpt import errors, keras_compat
 from graphckpt.budget import check_batch_size, choose_plan
-from graphckpt.graph.build import build_graph, functional_of, kept_whole_note, mark_attention_chunks
+from graphckpt.graph.attention import chunkable_calls
+from graphckpt.graph.build import build_graph, functional_of, kept_whole_note
 from graphckpt.graph.nesting import not_opened_note
 from graphckpt.graph.shapes import InputShape, open_graph, sized_graph
 from graphckpt.planner import Plan
@@ -216,16 +217,17 @@ def _planned(
         graph = build_graph(model)
     if batch_size is not None:
         check_batch_size(graph, batch_size)  # before comparing it with `input_shape`
-    if attention_chunks and not mark_attention_chunks(graph, attention_chunks):
+    if attention_chunks and not chunkable_calls(graph):
         warnings.warn(
             f"Model '{model.name}' has no MultiHeadAttention call whose core could run in chunks: "
             f"`attention_chunks={attention_chunks}` changes nothing.",
-            errors.GraphckptWarning,
-            stacklevel=stacklevel,
+            errors.GraphckptWarning, stacklevel=stacklevel,
         )
         attention_chunks = None
     sized, batch_size = sized_graph(graph, input_shape, batch_size, stacklevel=stacklevel + 1)
-    the_plan, unchanged = choose_plan(sized, segments=segments, budget=budget, batch_size=batch_size, policy=policy)
+    the_plan, unchanged = choose_plan(
+        sized, segments=segments, budget=budget, batch_size=batch_size, policy=policy, attention_chunks=attention_chunks
+    )
     if open_layers:
         the_plan = dataclasses.replace(
             the_plan, open_layers=True, opened_at=opened_at, kept_closed=graph.kept_closed

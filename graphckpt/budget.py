@@ -13,10 +13,11 @@ import numbers
 import re
 
 from graphckpt import errors, policies
-from graphckpt.estimator.peak import node_costs, original_baseline, resolve_batch_size
+from graphckpt.estimator.peak import node_costs, resolve_batch_size
 from graphckpt.planner import (
     BudgetInfeasible,
     MemoryModel,
+    baseline_peak,
     plan_for_budget,
     plan_from_boundaries,
     plan_segments,
@@ -129,7 +130,7 @@ def _empty_plan(graph, segments, budget, policy_name):
     return the_plan, "it has no layer calls (its outputs are its inputs), so there is nothing to recompute"
 
 
-def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=None):
+def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=None, attention_chunks=None):
     """Plans `graph` for the arguments of `graphckpt.plan`.
 
     Returns:
@@ -161,9 +162,10 @@ def choose_plan(graph, *, segments="auto", budget=None, batch_size=None, policy=
         raise errors.InvalidArgumentError(str(e)) from None
     if not topological_order(graph):
         return _empty_plan(graph, segments, budget, policy_name)
-    costs = node_costs(graph, batch_size)
+    costs = node_costs(graph, batch_size, attention_chunks)
     memory = MemoryModel(graph, costs)  # O(n^2): built once, read by every step below
-    baseline = original_baseline(graph, batch_size, memory)
+    # The model's as it is: its attention cores whole.
+    baseline = baseline_peak(graph, node_costs(graph, batch_size)) if attention_chunks else memory.baseline_peak()
     if budget is None and policy is None:
         try:
             the_plan = plan_segments(graph, segments=segments, costs=costs, memory=memory)

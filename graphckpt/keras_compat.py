@@ -448,27 +448,3 @@ def jax_state(model):
         metrics_variables=True,
         purge_model_variables=False,
     )
-
-
-def draw_seed(seed_generator):
-    """The seed a `keras.random` op draws from `seed_generator` (advancing
-    it), as the backend's op gets it."""
-    from keras.src.random.seed_generator import draw_seed as draw
-
-    return draw(seed_generator)
-
-
-def tf_cast_seed(seed):
-    """A drawn seed as TensorFlow's stateless random ops take it (int32),
-    as Keras's TensorFlow backend casts it."""
-    from keras.src.backend.tensorflow.random import _cast_seed
-
-    return _cast_seed(seed)
-
-
-def torch_seed_generator(seed_generator):
-    """The `torch.Generator` Keras's PyTorch backend seeds for one random op
-    from `seed_generator` (advancing it)."""
-    from keras.src.backend.torch.random import torch_seed_generator as generator
-
-    return generator(seed_generator)

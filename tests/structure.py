@@ -25,7 +25,7 @@ END = "<!-- /layers -->"
 # first use, so that `import graphckpt` needs no framework. "shapes" is a
 # deprecated alias (`graphckpt.shapes.UnknownDimensionWarning`).
 LAYERS = (
-    ("errors", "keras_compat"),
+    ("errors", "keras_compat", "keras_compat_attention"),
     ("graphckpt", "graph", "shapes"),
     ("planner",),
     ("estimator", "runtime"),

@@ -11,6 +11,7 @@ import pytest
 from keras import layers
 
 import graphckpt
+from graphckpt.graph.attention import chunkable_calls
 from graphckpt.runtime.attention import ChunkedAttention, chunked
 from tests.helpers import compare_step, to_numpy
 from tests.test_opening import blocks_model
@@ -179,7 +180,7 @@ def test_user_blocks_open_around_whole_attention_in_chunks():
     model = blocks_model(n=2, seq=16)
     ck = graphckpt.checkpoint_model(model, batch_size=2, open_layers=True, attention_chunks=3)
     graph = graphckpt.api.planned(model, batch_size=2, open_layers=True, attention_chunks=3).graph
-    kinds = [type(d["layer"]).__name__ for _, d in graph.nodes(data=True) if d.get("attention_chunks")]
+    kinds = [type(graph.nodes[k]["layer"]).__name__ for k in chunkable_calls(graph)]
     assert kinds == ["MultiHeadAttention", "MultiHeadAttention"]
     assert ck.plan.open_layers and ck.plan.kept_closed == ()
     x = np.random.default_rng(0).standard_normal((2, 16, 16)).astype("float32")

@@ -24,6 +24,8 @@ import functools
 import json
 import os
 
+from graphckpt.planner import recomputed_calls
+
 __all__ = [
     "DATA",
     "NANOSECOND",
@@ -36,6 +38,7 @@ __all__ = [
     "kind_of",
     "nanoseconds",
     "params",
+    "recompute_flops",
     "seconds",
     "segment_seconds",
 ]
@@ -160,3 +163,21 @@ def backend_frees_gradients():
     import keras
 
     return keras.backend.backend() in FREEING_BACKENDS
+
+
+def recompute_flops(graph, plan, calls):
+    """The FLOPs a plan recomputes, counted as the memory model counts its
+    cost: each recomputed segment (and inner segment) runs its calls once
+    more, less those pruned from its recompute (`recomputed_calls`)."""
+    by_node = {c.node: c for c in calls}
+    prunable = {c.node for c in calls if c.prunable}
+
+    def recomputed(nodes):
+        return sum(by_node[v].flops for v in recomputed_calls(graph, nodes, prunable))
+
+    total = 0.0
+    for segment in plan.segments:
+        if segment.remat:
+            total += recomputed(segment.nodes)
+            total += sum(recomputed(inner.nodes) for inner in segment.inner if inner.remat)
+    return total

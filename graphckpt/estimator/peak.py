@@ -36,7 +36,8 @@ import keras
 
 from graphckpt import errors, keras_compat
 from graphckpt.estimator import cost_model, keras_rules, layers_inside, rules
-from graphckpt.graph.build import build_graph, functional_of, mark_attention_chunks
+from graphckpt.graph.attention import chunkable_attention
+from graphckpt.graph.build import build_graph, functional_of
 from graphckpt.graph.layer_graph import LayerGraph
 from graphckpt.graph.shapes import InputShape, open_graph, propagate, sized_graph
 from graphckpt.planner import (
@@ -44,7 +45,6 @@ from graphckpt.planner import (
     NodeCosts,
     Plan,
     baseline_peak,
-    recomputed_calls,
     segment_peaks,
     smallest_peak,
     topological_order,
@@ -247,9 +247,10 @@ def _var_bytes(v):
     return math.prod(v.shape) * max(int("".join(c for c in dtype if c.isdigit()) or 32) // 8, 1)
 
 
-def _costs(graph, batch_size):
+def _costs(graph, batch_size, attention_chunks=None):
     """(`NodeCosts`, CallEstimates) for `graph`; per example when
-    `batch_size` is None (parameter gradients left out then)."""
+    `batch_size` is None (parameter gradients left out then); attention
+    cores in `attention_chunks` query chunks, if given."""
     tensors = graph.tensors
     scale = batch_size or 1
     tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
@@ -263,8 +264,8 @@ def _costs(graph, batch_size):
         ins = [tensors[k] for k in data["in_keys"]]
         outs = [tensors[k] for k in data["out_keys"]]
         rule = _rule(data["layer"], ins, outs, data.get("node"))
-        if data.get("attention_chunks"):
-            rule = keras_rules.chunked_attention(data["layer"], ins, outs, data["attention_chunks"])
+        if attention_chunks and chunkable_attention(data["layer"]):
+            rule = keras_rules.chunked_attention(data["layer"], ins, outs, attention_chunks)
         by_call[key] = rule
         reads[key] = frozenset(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
         saved.update(reads[key], (outs[i].key for i in rule.saved_outputs if i < len(outs)))
@@ -335,29 +336,19 @@ def resolve_batch_size(model_or_graph, batch_size=None):
     return dims.pop() if len(dims) == 1 else None
 
 
-def node_costs(graph, batch_size=None):
+def node_costs(graph, batch_size=None, attention_chunks=None):
     """The per-call costs the planner consumes, at `batch_size`.
 
     Args:
         graph: a layer-call graph from `graphckpt.graph.build.build_graph`.
         batch_size: examples per step, or None for per-example bytes.
+        attention_chunks: count attention cores in this many query chunks
+            (`graphckpt.runtime.attention`), or None.
 
     Returns:
         A `graphckpt.planner.NodeCosts`.
     """
-    return _costs(graph, batch_size)[0]
-
-
-def original_baseline(graph, batch_size, memory):
-    """The estimated peak of the model as it is: `memory.baseline_peak()`,
-    or, where calls are marked to run their attention core in chunks
-    (`attention_chunks`), that of the same graph with those cores whole."""
-    if not any(data.get("attention_chunks") for _, data in graph.nodes(data=True)):
-        return memory.baseline_peak()
-    whole = graph.copy()
-    for _, data in whole.nodes(data=True):
-        data.pop("attention_chunks", None)
-    return baseline_peak(whole, node_costs(whole, batch_size))
+    return _costs(graph, batch_size, attention_chunks)[0]
 
 
 def call_estimates(graph, batch_size=None):
@@ -412,8 +403,6 @@ def estimate(
         )
     elif graph is None:
         graph = build_graph(model)
-    if chunks:
-        mark_attention_chunks(graph, chunks)
     if batch_size is not None:
         resolve_batch_size(graph, batch_size)  # checked before comparing it with `input_shape`
     if input_shape is not None or not graph.shapes_resolved:
@@ -421,7 +410,10 @@ def estimate(
     batch_size = resolve_batch_size(graph, batch_size)
     costs, calls = _costs(graph, batch_size)
     memory = MemoryModel(graph, costs)  # one O(n^2) table for the three estimates below
-    baseline = original_baseline(graph, batch_size, memory)
+    baseline = baseline_peak(graph, costs, memory=memory)
+    if chunks:  # the plan's cores in chunks; the baseline's whole
+        costs, calls = _costs(graph, batch_size, chunks)
+        memory = MemoryModel(graph, costs)
     if plan is None:
         segments, peak, recompute, recompute_flops = (), baseline, 0.0, 0.0
     else:
@@ -433,7 +425,7 @@ def estimate(
         segments = segment_peaks(graph, plan, costs, memory=memory)
         peak = max(s.peak_bytes for s in segments)
         recompute = sum(s.recompute_cost for s in segments)
-        recompute_flops = _recompute_flops(graph, plan, calls)
+        recompute_flops = cost_model.recompute_flops(graph, plan, calls)
     by_node = {c.node: c for c in calls}
     return MemoryEstimate(
         batch_size=batch_size,
@@ -449,21 +441,3 @@ def estimate(
         forward_seconds=sum(c.seconds for c in calls),
         recompute_seconds=recompute * cost_model.NANOSECOND,
     )
-
-
-def _recompute_flops(graph, plan, calls):
-    """The FLOPs a plan recomputes, counted as the memory model counts its
-    cost: each recomputed segment (and inner segment) runs its calls once
-    more, less those pruned from its recompute (`recomputed_calls`)."""
-    by_node = {c.node: c for c in calls}
-    prunable = {c.node for c in calls if c.prunable}
-
-    def recomputed(nodes):
-        return sum(by_node[v].flops for v in recomputed_calls(graph, nodes, prunable))
-
-    total = 0.0
-    for segment in plan.segments:
-        if segment.remat:
-            total += recomputed(segment.nodes)
-            total += sum(recomputed(inner.nodes) for inner in segment.inner if inner.remat)
-    return total

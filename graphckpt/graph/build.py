@@ -48,6 +48,7 @@ The planner reads only `kind`, `position` and the tensor data.
 import math
 
 from graphckpt import keras_compat
+from graphckpt.graph import attention
 from graphckpt.graph.chains import state_chains
 from graphckpt.graph.layer_graph import INPUT, LAYER, LayerGraph, TensorInfo
 from graphckpt.graph.nesting import called_on, flattenable, functional_of, kept_whole_note, nodes_of
@@ -238,7 +239,7 @@ class _Builder:
         # Named as `saved_ordinals` names a call inside an opened layer
         # (`<root>#i`): a custom layer's sublayers get other names when loaded.
         where = prefix + op.name if root is None else f"{root}#{self.inside.get(root, 0)}"
-        if self.whole_attention and chunkable_attention(op):
+        if self.whole_attention and attention.chunkable_attention(op):
             return None, None, False
         if isinstance(op, keras.layers.Layer) and keras_compat.has_sublayers(op) and (
             where in self.closed or (callable(self.open_layers) and not self.open_layers(op))
@@ -369,29 +370,6 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=(), whole_at
         at_known_shapes=builder.at_known_shapes,
     )
     return graph
-
-
-def chunkable_attention(layer):
-    """Whether `layer`'s attention core can run in query chunks
-    (`graphckpt.runtime.attention`): a `keras.layers.MultiHeadAttention` or
-    a subclass (keras_hub's cached attention) that keeps its
-    `_compute_attention`."""
-    import keras
-
-    attention = keras.layers.MultiHeadAttention
-    return isinstance(layer, attention) and type(layer)._compute_attention is attention._compute_attention
-
-
-def mark_attention_chunks(graph, chunks):
-    """Sets the node attribute `attention_chunks` to `chunks` on each call
-    of a `chunkable_attention` layer (the estimator counts its core in
-    chunks, the rewrite runs it so); returns how many calls it marked."""
-    marked = 0
-    for _, data in graph.nodes(data=True):
-        if data.get("kind") != INPUT and chunkable_attention(data.get("layer")):
-            data["attention_chunks"] = chunks
-            marked += 1
-    return marked
 
 
 def live_tensors(graph):

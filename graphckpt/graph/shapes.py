@@ -39,7 +39,7 @@ import networkx as nx
 
 from graphckpt import errors, keras_compat
 from graphckpt.errors import UnknownDimensionWarning
-from graphckpt.graph.build import build_graph, dtype_size, functional_of, mark_attention_chunks
+from graphckpt.graph.build import build_graph, dtype_size, functional_of
 from graphckpt.graph.layer_graph import INPUT
 
 __all__ = ["UnknownDimensionWarning", "sized_graph", "parse_input_shape", "propagate", "unknown_inputs"]
@@ -353,15 +353,9 @@ def plan_graph(model, plan):
     `graphckpt.Plan`, or the `info` of a saved one (a dict)."""
     fields = ("open_layers", "opened_at", "kept_closed", "attention_chunks")
     info = plan if isinstance(plan, Mapping) else {f: getattr(plan, f) for f in fields}
-    chunks = info.get("attention_chunks")
     if not info.get("open_layers"):
-        graph = build_graph(model)
-    else:
-        at = info.get("opened_at")
-        graph = open_graph(
-            model, None if at is None else [tuple(s) for s in at], closed=info.get("kept_closed", ()),
-            whole_attention=bool(chunks),
-        )[0]
-    if chunks:
-        mark_attention_chunks(graph, chunks)
-    return graph
+        return build_graph(model)
+    at = info.get("opened_at")
+    shapes = None if at is None else [tuple(s) for s in at]
+    whole = bool(info.get("attention_chunks"))  # attention calls stay whole, their cores in chunks
+    return open_graph(model, shapes, closed=info.get("kept_closed", ()), whole_attention=whole)[0]

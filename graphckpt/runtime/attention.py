@@ -40,33 +40,27 @@ References:
     (query chunks, each checkpointed).
 """
 
-import contextlib
 import inspect
 
 import keras
 from keras import ops
 
 from graphckpt import keras_compat
+from graphckpt import keras_compat_attention as compat
+from graphckpt.graph.attention import chunkable_attention
 from graphckpt.runtime.remat import segment_remat
 
-__all__ = ["ChunkedAttention", "chunked", "is_chunkable"]
+__all__ = ["ChunkedAttention", "chunked"]
 
 _CACHE_ATTR = "_graphckpt_chunked"  # on the attention layer: {chunks: ChunkedAttention}
 
 
-def is_chunkable(layer):
-    """Whether `layer`'s attention core can be run in query chunks: a
-    `keras.layers.MultiHeadAttention` or subclass (keras_hub's cached
-    attention) that does not replace `_compute_attention` itself."""
-    return (
-        isinstance(layer, keras.layers.MultiHeadAttention)
-        and type(layer)._compute_attention is keras.layers.MultiHeadAttention._compute_attention
-    )
-
-
 def chunked(layer, chunks):
-    """The `ChunkedAttention` of `layer` for `chunks`, made once per layer
-    and chunk count, so every rewrite of a model calls the same object."""
+    """The `ChunkedAttention` of `layer` (`chunkable_attention`) for
+    `chunks`, made once per layer and chunk count, so every rewrite of a
+    model calls the same object."""
+    if not chunkable_attention(layer):
+        raise TypeError(f"Layer '{layer.name}' ({type(layer).__name__}) has no attention core to run in chunks.")
     cache = layer.__dict__.get(_CACHE_ATTR)
     if cache is None:
         cache = _Wrappers()
@@ -121,49 +115,35 @@ class ChunkedAttention(keras.layers.Layer):
         return self.attention.compute_mask(*args, **kwargs)
 
 
-@contextlib.contextmanager
 def _core_in_chunks(attention, chunks):
-    """`attention._compute_attention`, for the duration of one call, the
-    chunked core; restored after, even on an error."""
-    original = attention._compute_attention
-    had_own = "_compute_attention" in attention.__dict__
+    """A context: `attention`'s core runs in chunks for the calls inside."""
+    axes = compat.parts(attention).axes
 
-    def compute(query, key, value, attention_mask=None, training=None, return_attention_scores=False,
+    def compute(original, query, key, value, attention_mask=None, training=None, return_attention_scores=False,
                 use_causal_mask=False):
-        if (
-            return_attention_scores
-            or len(query.shape) != 4
-            or tuple(attention._attention_axes) != (1,)
-            or query.shape[1] is None
-            or attention._flash_attention
-        ):
+        whole = return_attention_scores or len(query.shape) != 4 or axes != (1,) or query.shape[1] is None
+        if whole or compat.parts(attention).flash:
             extra = {"use_causal_mask": True} if use_causal_mask else {}
             return original(query, key, value, attention_mask, training, return_attention_scores, **extra)
         return _chunked_core(attention, chunks, query, key, value, attention_mask, training, use_causal_mask), None
 
-    object.__setattr__(attention, "_compute_attention", compute)
-    try:
-        yield
-    finally:
-        if had_own:
-            object.__setattr__(attention, "_compute_attention", original)
-        else:
-            object.__delattr__(attention, "_compute_attention")
+    return compat.core_replaced(attention, compute)
 
 
 def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
     """`MultiHeadAttention._compute_attention`'s output, query chunk by
     query chunk: its two paths (explicit scores when the layer has
     dropout, else `ops.dot_product_attention`) with their masks."""
-    scores_path = layer._dropout > 0.0
+    parts = compat.parts(layer)
+    scores_path = parts.dropout_rate > 0.0
     if causal:  # as the layer's scores path builds it; its fused path takes is_causal
-        causal_mask = layer._compute_causal_mask(query, value)
+        causal_mask = parts.causal_mask(query, value)
         mask = causal_mask if mask is None else ops.logical_and(ops.cast(mask, "bool"), causal_mask)
     if mask is not None and not scores_path:  # as the fused path shapes it: [B, N, T, S]
         for _ in range(4 - len(mask.shape)):
-            mask = ops.expand_dims(mask, axis=-len(layer._attention_axes) * 2 - 1)
+            mask = ops.expand_dims(mask, axis=-len(parts.axes) * 2 - 1)
         mask = ops.cast(mask, "bool")
-    keep = _dropout_keep(layer, query, key) if scores_path and training else None
+    keep = _dropout_keep(parts.dropout, query, key) if scores_path and training else None
     t = query.shape[1]
     chunks = max(1, min(chunks, t))
     bounds = [t * i // chunks for i in range(chunks + 1)]
@@ -171,15 +151,15 @@ def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
     def core(q, k, v, keep_c, mask_c):
         if not scores_path:
             return ops.dot_product_attention(
-                query=q, key=k, value=v, bias=None, mask=mask_c, scale=layer._inverse_sqrt_key_dim,
-                is_causal=False, flash_attention=layer._flash_attention,
+                query=q, key=k, value=v, bias=None, mask=mask_c, scale=parts.scale, is_causal=False,
+                flash_attention=parts.flash,
             )
-        q = ops.multiply(q, ops.cast(layer._inverse_sqrt_key_dim, q.dtype))
-        scores = ops.einsum(layer._dot_product_equation, k, q)
-        scores = layer._masked_softmax(scores, mask_c)
+        q = ops.multiply(q, ops.cast(parts.scale, q.dtype))
+        scores = ops.einsum(parts.scores_equation, k, q)
+        scores = parts.masked_softmax(scores, mask_c)
         if keep_c is not None:
-            scores = _apply_dropout(layer._dropout_layer, scores, keep_c)
-        return ops.einsum(layer._combine_equation, scores, v)
+            scores = _apply_dropout(parts.dropout, scores, keep_c)
+        return ops.einsum(parts.combine_equation, scores, v)
 
     outputs, after = [], []
     for a, b in zip(bounds, bounds[1:]):
@@ -195,12 +175,11 @@ def _rows(mask, a, b):
     return mask if mask.shape[-2] == 1 else mask[..., a:b, :]
 
 
-def _dropout_keep(layer, query, key):
+def _dropout_keep(dropout, query, key):
     """Which score entries the layer's dropout keeps, as booleans: the
     draw `keras.random.dropout` makes for the scores (Keras 3.15: one seed
     from the Dropout layer's seed generator, the scores' shape and dtype),
     without the float tensors a whole dropout call would also make."""
-    dropout = layer._dropout_layer
     shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
     if any(d is None for d in shape):  # a symbolic batch: its run-time size
         shape = (ops.shape(query)[0], query.shape[2], query.shape[1], key.shape[1])
@@ -209,23 +188,18 @@ def _dropout_keep(layer, query, key):
     if backend == "tensorflow":  # tf.nn.experimental.stateless_dropout
         import tensorflow as tf
 
-        seed = keras_compat.tf_cast_seed(keras_compat.draw_seed(dropout.seed_generator))
+        seed = compat.tf_cast_seed(compat.draw_seed(dropout.seed_generator))
         return tf.random.stateless_uniform(shape, seed=seed, dtype=dtype) >= rate
     if backend == "jax":
         import jax
 
-        return jax.random.bernoulli(keras_compat.draw_seed(dropout.seed_generator), p=1.0 - rate, shape=shape)
+        return jax.random.bernoulli(compat.draw_seed(dropout.seed_generator), p=1.0 - rate, shape=shape)
     import torch
 
-    if _torch_native_dropout(dropout):  # torch's own dropout: bernoulli_ on an empty input-like tensor
+    if compat.native_torch_dropout(dropout):  # torch's own dropout: bernoulli_ on an empty input-like tensor
         return torch.empty(shape, dtype=getattr(torch, dtype)).bernoulli_(1.0 - rate) != 0
     full = torch.full(shape, 1.0 - rate)
-    return torch.bernoulli(full, generator=keras_compat.torch_seed_generator(dropout.seed_generator)).bool()
-
-
-def _torch_native_dropout(dropout):
-    """Whether Keras's PyTorch dropout runs torch's own (unseeded) kernel."""
-    return dropout.seed_generator._initial_seed is None and dropout.noise_shape is None
+    return torch.bernoulli(full, generator=compat.torch_seed_generator(dropout.seed_generator)).bool()
 
 
 def _apply_dropout(dropout, x, keep):
@@ -242,7 +216,7 @@ def _apply_dropout(dropout, x, keep):
     if backend == "torch":
         import torch
 
-        if _torch_native_dropout(dropout):  # torch's own dropout: x * (mask / p)
+        if compat.native_torch_dropout(dropout):  # torch's own dropout: x * (mask / p)
             return x * keep.to(x.dtype).div_(1.0 - rate)
         return torch.where(keep, x / (1.0 - rate), torch.zeros_like(x))
     import jax

@@ -15,7 +15,8 @@ import keras
 from keras import tree
 
 from graphckpt import errors, keras_compat
-from graphckpt.graph.build import functional_of, live_tensors, mark_attention_chunks
+from graphckpt.graph.attention import mark_attention_chunks
+from graphckpt.graph.build import functional_of, live_tensors
 from graphckpt.runtime import attention
 from graphckpt.runtime.segment import Segment
 

@@ -1,0 +1,86 @@
+"""The private Keras names attention in query chunks reads
+(`graphckpt.runtime.attention`): `MultiHeadAttention`'s core and its
+parts, and the seed draws of `keras.random.dropout` per backend. A
+`keras_compat` module of its own, for the same reason (no public way
+serves, each function says what it reads), tested on the same Keras
+versions (`make test`). Keras is imported lazily.
+"""
+
+import contextlib
+import types
+
+__all__ = ["own_core", "core_replaced", "parts", "draw_seed", "tf_cast_seed", "torch_seed_generator", "native_torch_dropout"]
+
+
+def own_core(layer):
+    """Whether `layer` is a `keras.layers.MultiHeadAttention` (or subclass)
+    that keeps Keras's `_compute_attention`, the core chunks replace."""
+    import keras
+
+    attention = keras.layers.MultiHeadAttention
+    return isinstance(layer, attention) and type(layer)._compute_attention is attention._compute_attention
+
+
+@contextlib.contextmanager
+def core_replaced(layer, compute):
+    """`layer._compute_attention` is `compute(original, ...)` on the instance
+    for the duration of the block, then what it was (restored on error
+    too). Keras's `call` looks it up on the instance; its check for a
+    subclass's own core looks at the class, which stays as it is."""
+    original = layer._compute_attention
+    had_own = "_compute_attention" in layer.__dict__
+    object.__setattr__(layer, "_compute_attention", lambda *args, **kwargs: compute(original, *args, **kwargs))
+    try:
+        yield
+    finally:
+        if had_own:
+            object.__setattr__(layer, "_compute_attention", original)
+        else:
+            object.__delattr__(layer, "_compute_attention")
+
+
+def parts(layer):
+    """What `MultiHeadAttention._compute_attention` (Keras 3.15) computes
+    with: its equations, scale, masked softmax, dropout and flags."""
+    return types.SimpleNamespace(
+        dropout_rate=layer._dropout,
+        dropout=layer._dropout_layer,
+        masked_softmax=layer._masked_softmax,
+        causal_mask=layer._compute_causal_mask,
+        scale=layer._inverse_sqrt_key_dim,
+        scores_equation=layer._dot_product_equation,
+        combine_equation=layer._combine_equation,
+        axes=tuple(layer._attention_axes),
+        flash=layer._flash_attention,
+    )
+
+
+def draw_seed(seed_generator):
+    """The seed a `keras.random` op draws from `seed_generator` (advancing
+    it), as the backend's op gets it."""
+    from keras.src.random.seed_generator import draw_seed as draw
+
+    return draw(seed_generator)
+
+
+def tf_cast_seed(seed):
+    """A drawn seed as TensorFlow's stateless random ops take it (int32),
+    as Keras's TensorFlow backend casts it."""
+    from keras.src.backend.tensorflow.random import _cast_seed
+
+    return _cast_seed(seed)
+
+
+def torch_seed_generator(seed_generator):
+    """The `torch.Generator` Keras's PyTorch backend seeds for one random op
+    from `seed_generator` (advancing it)."""
+    from keras.src.backend.torch.random import torch_seed_generator as generator
+
+    return generator(seed_generator)
+
+
+def native_torch_dropout(dropout):
+    """Whether Keras's PyTorch dropout runs torch's own unseeded kernel for
+    the Dropout layer `dropout`: its seed generator has no seed
+    (`SeedGenerator._initial_seed`) and it has no noise shape."""
+    return dropout.seed_generator._initial_seed is None and dropout.noise_shape is None
