@@ -185,15 +185,22 @@ def _dropout_keep(dropout, query, key):
         shape = (ops.shape(query)[0], query.shape[2], query.shape[1], key.shape[1])
     dtype, rate = dropout.compute_dtype, dropout.rate
     backend = keras.backend.backend()
+    # The seed is tied to the queries: a draw that depends on the seed alone
+    # runs at the start of the step, and its mask stays alive until used.
     if backend == "tensorflow":  # tf.nn.experimental.stateless_dropout
         import tensorflow as tf
 
-        seed = compat.tf_cast_seed(compat.draw_seed(dropout.seed_generator))
+        from graphckpt.runtime.remat_tensorflow import tf_tie
+
+        seed = tf_tie([compat.tf_cast_seed(compat.draw_seed(dropout.seed_generator))], [query])[0]
         return tf.random.stateless_uniform(shape, seed=seed, dtype=dtype) >= rate
     if backend == "jax":
         import jax
 
-        return jax.random.bernoulli(compat.draw_seed(dropout.seed_generator), p=1.0 - rate, shape=shape)
+        from graphckpt.runtime.remat_jax import jax_tie
+
+        seed = jax_tie([compat.draw_seed(dropout.seed_generator)], [query])[0]
+        return jax.random.bernoulli(seed, p=1.0 - rate, shape=shape)
     import torch
 
     if compat.native_torch_dropout(dropout):  # torch's own dropout: bernoulli_ on an empty input-like tensor
@@ -230,11 +237,11 @@ def _remat(fn, tensors, extras, after):
 
     The chunks' backward steps are independent of one another, and a
     scheduler may run them all at once, every chunk's scores alive
-    together. So each recompute waits for the gradients of the chunk whose
-    backward step ran before it: `after` (a list shared by the chunks of
-    one call) holds those. On TensorFlow the wait is `tf_tie`'s data
-    dependency (XLA keeps it); PyTorch's autograd runs one step at a time
-    anyway; on JAX the chunks go through `segment_remat`."""
+    together (TensorFlow's executor did; XLA did on JAX). So each
+    recompute is tied to the gradients of the chunk whose backward step
+    ran before it (`after`, a list the chunks of one call share): a data
+    dependency (`tf_tie`, `jax_tie`) that XLA keeps. PyTorch's autograd
+    runs one backward step at a time anyway."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         return _tf_remat_after(fn, tensors, extras, after)
@@ -245,9 +252,38 @@ def _remat(fn, tensors, extras, after):
         full = list(extras)
         for i, e in zip(present, args[n:]):
             full[i] = e
-        return (fn(*args[:n], *full),)
+        return fn(*args[:n], *full)
 
-    return segment_remat(passed, n)(*tensors, *[extras[i] for i in present])[0]
+    args = [*tensors, *[extras[i] for i in present]]
+    if backend == "jax":
+        return _jax_remat_after(passed, args, n, after)
+    return segment_remat(lambda *a: (passed(*a),), n)(*args)[0]
+
+
+def _jax_remat_after(f, args, n, after):
+    """On JAX: `f(*args)` as a `custom_vjp` whose backward pass recomputes
+    it from arguments tied to the incoming cotangent and to `after`, as
+    `graphckpt.runtime.remat_jax.jax_remat` does for a segment."""
+    import jax
+
+    from graphckpt.runtime.remat_jax import jax_materialize, jax_tie
+
+    @jax.custom_vjp
+    def remat(*args):
+        return f(*args)
+
+    def fwd(*args):
+        return f(*args), args
+
+    def bwd(args, dout):
+        (dout,) = jax_materialize((dout,))
+        recomputed, vjp = jax.vjp(f, *jax_tie(list(args), [dout] + after))
+        grads = vjp(dout)
+        after[:] = [g for g in grads[:n]]
+        return tuple(jax_tie(list(grads), [recomputed]))
+
+    remat.defvjp(fwd, bwd)
+    return remat(*args)
 
 
 def _tf_remat_after(fn, tensors, extras, after):
