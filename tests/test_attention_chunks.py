@@ -216,3 +216,29 @@ def test_a_model_without_attention_warns_and_plans_as_without_chunks():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert p == graphckpt.plan(model)
+
+
+def test_the_fit_flag_takes_attention_chunks_and_trains_as_plain_fit():
+    x = np.random.default_rng(0).standard_normal((16, 32, 16)).astype("float32")
+    y = np.random.default_rng(1).standard_normal((16, 3)).astype("float32")
+    histories, weights = [], []
+    for chunks in (None, 4):
+        model = _transformer()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        keras.utils.set_random_seed(3)
+        if chunks is None:
+            history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        else:
+            history = graphckpt.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, attention_chunks=chunks)
+        histories.append(history.history["loss"])
+        weights.append([to_numpy(w) for w in model.weights])
+    np.testing.assert_allclose(histories[1], histories[0], rtol=1e-5)
+    for a, b in zip(weights[1], weights[0]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_attention_chunks_without_checkpointing_is_one_clear_error():
+    model = _transformer()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(graphckpt.InvalidArgumentError, match="attention_chunks` needs gradient checkpointing"):
+        graphckpt.fit(model, np.zeros((2, 32, 16)), np.zeros((2, 3)), gradient_checkpointing=False, attention_chunks=4)

@@ -213,6 +213,11 @@ def unknown_rule(layer, ins, outs):
 # Score-sized buffers kept per MultiHeadAttention call (probed; see
 # docs/estimator.md).
 MHA_SCORE_BUFFERS = 2.2
+# Bytes per score of the whole-tensor dropout draw of attention in chunks:
+# XLA's threefry holds about 16 (counters, bits, uniforms; its temporaries
+# with and without the draw, benchmarks/opening.py's MHA family on JAX);
+# TensorFlow's uniforms and mask about 10 (RSS).
+CHUNKED_DRAW_BYTES = 16
 
 
 def attention_rule(
@@ -230,7 +235,8 @@ def attention_rule(
     `dropout`); the core's output is kept beside q, k and v, and the
     backward step holds one chunk's core (`MHA_SCORE_BUFFERS`, and two
     gradients) while it recomputes it, once more a forward pass of the
-    core."""
+    core. With `dropout`, the mask is drawn for the whole score tensor at
+    once (`CHUNKED_DRAW_BYTES` a score, while it is drawn)."""
     query = ins[0]
     value = ins[1] if len(ins) > 1 and not self_attention else ins[0]
     item = itemsize(query)
@@ -250,13 +256,14 @@ def attention_rule(
     internal = (q + k + v + a) * item + (scores if dropout else 0)
     io = sum(i.nbytes for i in ins if is_float(i)) + sum(o.nbytes for o in outs)
     chunk = math.ceil(t / min(chunks, t)) * heads * s * item
+    draw = CHUNKED_DRAW_BYTES * scores if dropout else 0
     return LayerRule(
         saved_inputs=saved,
         internal=internal,
         flops=flops + 2.0 * scores * (key_dim + value_dim),
         expensive=True,
         name="attention in chunks",
-        workspace=io + internal + (MHA_SCORE_BUFFERS + 2) * chunk,
+        workspace=io + internal + max((MHA_SCORE_BUFFERS + 2) * chunk, draw),
     )
 
 

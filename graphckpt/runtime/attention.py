@@ -117,12 +117,12 @@ class ChunkedAttention(keras.layers.Layer):
 
 def _core_in_chunks(attention, chunks):
     """A context: `attention`'s core runs in chunks for the calls inside."""
-    axes = compat.parts(attention).axes
 
     def compute(original, query, key, value, attention_mask=None, training=None, return_attention_scores=False,
                 use_causal_mask=False):
-        whole = return_attention_scores or len(query.shape) != 4 or axes != (1,) or query.shape[1] is None
-        if whole or compat.parts(attention).flash:
+        parts = compat.parts(attention)  # read here: the layer's first call builds them
+        whole = return_attention_scores or len(query.shape) != 4 or parts.axes != (1,) or query.shape[1] is None
+        if whole or parts.flash:
             extra = {"use_causal_mask": True} if use_causal_mask else {}
             return original(query, key, value, attention_mask, training, return_attention_scores, **extra)
         return _chunked_core(attention, chunks, query, key, value, attention_mask, training, use_causal_mask), None

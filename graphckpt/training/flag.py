@@ -71,18 +71,18 @@ class _Cache:
         self.twins = {}
 
 
-def _check_flag(gradient_checkpointing, budget, open_layers=False):
-    """The planner arguments (`segments=`, `budget=`, `open_layers=`) the
-    flag stands for, or None."""
+def _check_flag(gradient_checkpointing, budget, open_layers=False, attention_chunks=None):
+    """The planner arguments (`segments=`, `budget=`, `open_layers=`,
+    `attention_chunks=`) the flag stands for, or None."""
     planner_kwargs = _check_segments(gradient_checkpointing, budget)
-    if not open_layers:
-        return planner_kwargs
-    if planner_kwargs is None:
+    extra = {k: v for k, v in (("open_layers", open_layers), ("attention_chunks", attention_chunks)) if v}
+    if extra and planner_kwargs is None:
+        name, value = next(iter(extra.items()))
         raise errors.InvalidArgumentError(
-            f"`open_layers` needs gradient checkpointing on. Received: gradient_checkpointing="
-            f"{gradient_checkpointing!r}, open_layers={open_layers!r}. Tip: add `gradient_checkpointing=True`."
+            f"`{name}` needs gradient checkpointing on. Received: gradient_checkpointing="
+            f"{gradient_checkpointing!r}, {name}={value!r}. Tip: add `gradient_checkpointing=True`."
         )
-    return dict(planner_kwargs, open_layers=open_layers)
+    return planner_kwargs if planner_kwargs is None else dict(planner_kwargs, **extra)
 
 
 def _check_segments(gradient_checkpointing, budget):
@@ -327,13 +327,15 @@ _FLAG_DOC = """
             `call` calls other layers: keras_hub's `ViTEncoder`, Keras's
             `MultiHeadAttention`), as `graphckpt.checkpoint_model` does.
             Experimental; default False.
+        attention_chunks: run each attention core in this many query
+            chunks, as `graphckpt.checkpoint_model` does. Default None.
 """
 
 
 def _make_wrapper(original):
     @functools.wraps(original)
-    def fit(self, *args, gradient_checkpointing=None, budget=None, open_layers=False, **kwargs):
-        planner_kwargs = _check_flag(gradient_checkpointing, budget, open_layers)
+    def fit(self, *args, gradient_checkpointing=None, budget=None, open_layers=False, attention_chunks=None, **kwargs):
+        planner_kwargs = _check_flag(gradient_checkpointing, budget, open_layers, attention_chunks)
         if planner_kwargs is None:
             return original(self, *args, **kwargs)
         return _checkpointed_fit(original, self, planner_kwargs, args, kwargs)
@@ -343,6 +345,7 @@ def _make_wrapper(original):
         inspect.Parameter("gradient_checkpointing", inspect.Parameter.KEYWORD_ONLY, default=None),
         inspect.Parameter("budget", inspect.Parameter.KEYWORD_ONLY, default=None),
         inspect.Parameter("open_layers", inspect.Parameter.KEYWORD_ONLY, default=False),
+        inspect.Parameter("attention_chunks", inspect.Parameter.KEYWORD_ONLY, default=None),
     ]
     fit.__signature__ = sig.replace(parameters=list(sig.parameters.values()) + extra)
     fit.__doc__ = (original.__doc__ or "") + _FLAG_DOC
@@ -350,7 +353,7 @@ def _make_wrapper(original):
     return fit
 
 
-def fit(model, *args, gradient_checkpointing=True, budget=None, open_layers=False, **kwargs):
+def fit(model, *args, gradient_checkpointing=True, budget=None, open_layers=False, attention_chunks=None, **kwargs):
     """`model.fit(*args, **kwargs)` with gradient checkpointing, without
     `install()`: nothing in Keras is patched.
 
@@ -366,8 +369,8 @@ def fit(model, *args, gradient_checkpointing=True, budget=None, open_layers=Fals
         gradient_checkpointing: True or "auto" (default), "sqrt", or an int
             number of segments; False or None: plain `fit`.
         budget: a memory budget, as `graphckpt.checkpoint_model` takes it.
-        open_layers: cut inside composite layers too, as
-            `graphckpt.checkpoint_model` does (experimental).
+        open_layers, attention_chunks: as `graphckpt.checkpoint_model`
+            takes them.
         **kwargs: `fit`'s other keyword arguments.
 
     Returns:
@@ -393,7 +396,7 @@ def fit(model, *args, gradient_checkpointing=True, budget=None, open_layers=Fals
             "`graphckpt.install()`, then `model.fit(..., gradient_checkpointing=True)`, which runs your `fit`."
         )
     original = _state["original"] if is_installed() else keras.Model.fit
-    planner_kwargs = _check_flag(gradient_checkpointing, budget, open_layers)
+    planner_kwargs = _check_flag(gradient_checkpointing, budget, open_layers, attention_chunks)
     if planner_kwargs is None:
         return original(model, *args, **kwargs)
     return _checkpointed_fit(original, model, planner_kwargs, args, kwargs)
