@@ -166,7 +166,8 @@ def test_a_model_with_attention_chunks_trains_like_the_original():
 
 
 def test_the_estimate_counts_no_score_sized_buffer_and_the_baseline_stays_the_originals():
-    model = _transformer(seq=256, dim=32, depth=2)
+    # No attention dropout: its mask is drawn for the whole score tensor at once (counted too, below).
+    model = _transformer(rate=0.0, seq=256, dim=32, depth=2)
     whole = graphckpt.plan(model, batch_size=4)
     in_chunks = graphckpt.plan(model, batch_size=4, attention_chunks=8)
     assert in_chunks.baseline_peak_bytes == whole.baseline_peak_bytes
@@ -174,6 +175,8 @@ def test_the_estimate_counts_no_score_sized_buffer_and_the_baseline_stays_the_or
     assert in_chunks.estimated_peak_bytes < whole.estimated_peak_bytes - scores
     chunked_estimate = graphckpt.estimate(model, in_chunks, batch_size=4)
     assert chunked_estimate.peak_bytes == in_chunks.estimated_peak_bytes
+    with_dropout = graphckpt.plan(_transformer(rate=0.1, seq=256, dim=32, depth=2), batch_size=4, attention_chunks=8)
+    assert with_dropout.estimated_peak_bytes >= in_chunks.estimated_peak_bytes + scores  # the draw
 
 
 def test_user_blocks_open_around_whole_attention_in_chunks():
