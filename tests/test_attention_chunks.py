@@ -3,6 +3,7 @@
 layer, gradients equal to rounding, each chunk really recomputed, and
 models that train like the original on every backend."""
 
+import json
 import warnings
 
 import keras
@@ -245,3 +246,20 @@ def test_attention_chunks_without_checkpointing_is_one_clear_error():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(graphckpt.InvalidArgumentError, match="attention_chunks` needs gradient checkpointing"):
         graphckpt.fit(model, np.zeros((2, 32, 16)), np.zeros((2, 3)), gradient_checkpointing=False, attention_chunks=4)
+
+
+def test_inspect_plans_with_attention_chunks(tmp_path, capsys):
+    from graphckpt import cli
+
+    path = tmp_path / "transformer.keras"
+    _transformer(rate=0.0, seq=128).save(path)
+    totals = []
+    for extra in ([], ["--attention-chunks", "4"]):
+        assert cli.main(["inspect", str(path), "--batch-size", "4", "--format", "json", *extra]) == 0
+        info = json.loads(capsys.readouterr().out)
+        totals.append(info["totals"])
+    assert info["attention_chunks"] == 4
+    assert totals[1]["baseline_bytes"] == totals[0]["baseline_bytes"]
+    assert totals[1]["plan_bytes"] < totals[0]["plan_bytes"]
+    assert cli.main(["inspect", str(path), "--batch-size", "4", "--attention-chunks", "4"]) == 0
+    assert "attention in 4 chunks" in " ".join(capsys.readouterr().out.split())  # the title wraps at 80 columns

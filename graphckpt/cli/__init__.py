@@ -1,6 +1,6 @@
 """The `graphckpt` command line: inspect, measure, demo.
 
-    graphckpt inspect MODEL.keras [--segments auto|sqrt|N] [--budget B] [--open-layers]
+    graphckpt inspect MODEL.keras [--segments auto|sqrt|N] [--budget B] [--open-layers] [--attention-chunks K]
                                   [--batch-size N] [--input-shape [NAME=]8,512 ...]
                                   [--format table|json|dot] [--wide]
     graphckpt measure MODEL.keras --batch-size N | --input-shape ... [--segments ...]
@@ -60,6 +60,12 @@ def _parser():
         "--open-layers",
         action="store_true",
         help="also cut inside composite layers (transformer blocks, MultiHeadAttention, keras_hub encoders)",
+    )
+    planning.add_argument(
+        "--attention-chunks",
+        type=positive_int,
+        metavar="K",
+        help="run each MultiHeadAttention core in K query chunks, each recomputed (attention_chunks=K)",
     )
     loading = argparse.ArgumentParser(add_help=False)
     loading.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")

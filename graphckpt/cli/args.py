@@ -91,6 +91,8 @@ def planner_kwargs(args):
         kwargs["budget"] = budget_arg(args.budget)
     if getattr(args, "open_layers", False):
         kwargs["open_layers"] = True
+    if getattr(args, "attention_chunks", None):
+        kwargs["attention_chunks"] = args.attention_chunks
     if getattr(args, "batch_size", None):
         kwargs["batch_size"] = args.batch_size
     input_shape = parse_input_shapes(getattr(args, "input_shape", None))
@@ -112,6 +114,7 @@ _FLAGS = {
     "segments": "--segments",
     "budget": "--budget",
     "open_layers": "--open-layers",
+    "attention_chunks": "--attention-chunks",
 }
 # Tips written for Python callers, and what the command line says instead.
 _TIPS = [

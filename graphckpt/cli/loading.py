@@ -116,7 +116,7 @@ def planned(model, planner_kwargs):
 
     if isinstance(model, graphckpt.CheckpointedModel):
         plain = graphckpt.uncheckpoint(model)
-        if not {"segments", "budget", "open_layers"} & set(planner_kwargs):
+        if not {"segments", "budget", "open_layers", "attention_chunks"} & set(planner_kwargs):
             shape = planner_kwargs.get("input_shape") or model.plan.opened_at
             graph = plan_graph(plain, model.plan)
             graph, _ = sized_graph(graph, shape, planner_kwargs.get("batch_size"))

@@ -104,6 +104,7 @@ def describe(model, graph, plan, batch_size=None):
         "num_segments": num_segments,
         "num_recomputed": num_recomputed,
         "strategy": plan.strategy,
+        "attention_chunks": plan.attention_chunks,
         "batch_size": memory.batch_size,
         "bytes_are": f"for a batch of {memory.batch_size}" if memory.batch_size else "per example",
         "segments": segments,
@@ -279,7 +280,8 @@ def render_table(info, console, wide=False):
 
 
 def _planned_for(info):
-    return f"batch {info['batch_size']}" if info["batch_size"] else "per example"
+    chunks = f", attention in {info['attention_chunks']} chunks" if info.get("attention_chunks") else ""
+    return (f"batch {info['batch_size']}" if info["batch_size"] else "per example") + chunks
 
 
 def recompute_phrase(totals):
