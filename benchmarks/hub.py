@@ -12,7 +12,7 @@ Usage:
     python benchmarks/hub.py backbone [--repeats 3]
     python benchmarks/hub.py lora [--repeats 3]
     python benchmarks/hub.py classifier [--repeats 3]   # BertTextClassifier, the same size, through the fit flag
-    python benchmarks/hub.py longest [--budget-mib 1024]
+    python benchmarks/hub.py longest [--budget-mib 1024] [--attention-chunks K]
     python benchmarks/hub.py exact            # fit flag vs plain fit, LoRA, dropout on
     python benchmarks/hub.py estimate         # the estimator against the saved backbone and lora runs
     python benchmarks/hub.py dropout --backend jax   # 4 and 8 blocks, dropout 0 and 0.1, seq 256
@@ -80,14 +80,15 @@ def bert_classifier(max_sequence_length=512):
     return keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=None)
 
 
-def fit_flag_twin(build, seq, names=("token_ids", "padding_mask")):
-    """What `fit(..., gradient_checkpointing=True)` trains in place of
-    `build()`'s forward pass: its checkpointed twin, planned for the data's
-    shapes (`graphckpt.fit` builds the same one), over the same layers."""
+def fit_flag_twin(build, seq, names=("token_ids", "padding_mask"), **flag_kwargs):
+    """What `fit(..., gradient_checkpointing=True, **flag_kwargs)` trains in
+    place of `build()`'s forward pass: its checkpointed twin, planned for
+    the data's shapes (`graphckpt.fit` builds the same one), over the same
+    layers. `flag_kwargs`: `open_layers=True`, `attention_chunks=K`."""
     from graphckpt.training.flag import _twin_for
 
     model = build()
-    twin = _twin_for(model, {"input_shape": _shape(8, seq, names)})
+    twin = _twin_for(model, {"input_shape": _shape(8, seq, names), **flag_kwargs})
     return twin.model
 
 
@@ -144,7 +145,7 @@ def run_backbone(args):
 
 def run_lora(args):
     shape = _shape(8, args.seq)
-    spec = dict(method=f"{ME}:fit_flag_twin", method_kwargs={"seq": args.seq})
+    spec = dict(method=f"{ME}:fit_flag_twin", method_kwargs={"seq": args.seq, **_flag_kwargs(args)})
     runs = _pair(f"{ME}:lora_causal_lm", 8, shape, spec, args.repeats, baseline=dict(method=f"{ME}:as_functional"))
     return {"model": {"GPT2CausalLM": LM, "lora_rank": 4}, "batch": 8, "seq": args.seq, "runs": runs,
             "summary": _ratio_rows(runs), "target": {"peak": 0.35}}
@@ -158,6 +159,12 @@ def run_classifier(args):
             "summary": _ratio_rows(runs)}
 
 
+def _flag_kwargs(args):
+    """The fit flag's keywords from `--attention-chunks K` (attention calls
+    opened out of the decoders, their cores in K chunks)."""
+    return {"open_layers": True, "attention_chunks": args.attention_chunks} if args.attention_chunks else {}
+
+
 def run_longest(args):
     """Doubling, then bisection on multiples of 64, for each method."""
     budget = args.budget_mib * 2**20
@@ -167,7 +174,7 @@ def run_longest(args):
 
         def fits(seq, label=label, tried=tried):
             spec = dict(method=f"{ME}:as_functional") if label == "baseline" else dict(
-                method=f"{ME}:fit_flag_twin", method_kwargs={"seq": seq}
+                method=f"{ME}:fit_flag_twin", method_kwargs={"seq": seq, **_flag_kwargs(args)}
             )
             m = measure(f"{ME}:lora_causal_lm", batch_size=8, input_shape=_shape(8, seq), label=label, steps=2,
                         warmup=1, timeout=1800, check=False, **spec)
@@ -263,6 +270,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--budget-mib", type=int, default=1024)
+    parser.add_argument("--attention-chunks", type=int, default=None,
+                        help="longest, lora: the fit flag with open_layers=True, attention_chunks=K")
     args = parser.parse_args()
     result = {"backbone": run_backbone, "lora": run_lora, "classifier": run_classifier, "longest": run_longest,
               "exact": run_exact,
@@ -271,6 +280,7 @@ def main():
     result["command"] = "python benchmarks/hub.py " + " ".join(sys.argv[1:])
     os.makedirs(RESULTS, exist_ok=True)
     name = f"hub_{args.what}" + (f"_{args.backend}" if args.what == "dropout" else "")
+    name += f"_chunks{args.attention_chunks}" if args.attention_chunks else ""
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(json.dumps(result["summary"] if "summary" in result else result, indent=1, default=str))
