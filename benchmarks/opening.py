@@ -19,7 +19,7 @@ inside the blocks), and the named policy `save_projections` (Megatron's
 selective recompute: projections kept, attention core recomputed).
 
 `--chunks K` adds two methods: `attention_chunks=K` (each
-MultiHeadAttention call's core in K query chunks, each recomputed:
+MultiHeadAttention call's core in K chunks of its (example, head) pairs, each recomputed:
 graphckpt.runtime.attention), and the same with `open_layers=True` (a
 user's block opens; its attention stays whole, in chunks).
 """

@@ -152,7 +152,7 @@ class Planned(NamedTuple):
 def _check_attention_chunks(chunks):
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise errors.InvalidArgumentError(
-            f"`attention_chunks` must be None or a positive int: the number of query chunks each "
+            f"`attention_chunks` must be None or a positive int: the number of chunks each "
             f"attention core runs in. Received: attention_chunks={chunks!r}. Tip: try 4 or 8; "
             "`graphckpt.estimate` shows what a plan with it holds."
         )
@@ -296,13 +296,13 @@ def plan(
             layers it says yes to (`lambda layer: not isinstance(layer,
             keras.layers.MultiHeadAttention)`). Experimental; default False.
         attention_chunks: run the core of each `MultiHeadAttention` call
-            (keras_hub's attention layers too) in this many query chunks,
-            each recomputed in the backward pass: no score-sized tensor
-            (heads x queries x keys) is kept, and the backward pass holds
-            one chunk's at a time, for one more forward pass of the
-            attention core. Outputs and dropout masks are the same; the
-            gradients of keys and values are summed chunk by chunk, so
-            they equal the original's to rounding, not bit for bit
+            (keras_hub's attention layers too) in this many pieces of its
+            (example, head) pairs (at most batch x heads), each recomputed
+            in the backward pass: no score-sized tensor (heads x queries x
+            keys) is kept, and the backward pass holds one piece's at a
+            time, for one more forward pass of the attention core. Outputs,
+            dropout masks and gradients are the same, the latter to
+            rounding where a later sum follows the pieces' memory order
             (`graphckpt.runtime.attention`). With `open_layers`, attention
             layers stay whole. Default None: not chunked.
 

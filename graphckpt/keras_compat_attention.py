@@ -1,4 +1,4 @@
-"""The private Keras names attention in query chunks reads
+"""The private Keras names attention in chunks reads
 (`graphckpt.runtime.attention`): `MultiHeadAttention`'s core and its
 parts, and the seed draws of `keras.random.dropout` per backend. A
 `keras_compat` module of its own, for the same reason (no public way

@@ -65,7 +65,7 @@ def _parser():
         "--attention-chunks",
         type=positive_int,
         metavar="K",
-        help="run each MultiHeadAttention core in K query chunks, each recomputed (attention_chunks=K)",
+        help="run each MultiHeadAttention core in K chunks of its (example, head) pairs, each recomputed (attention_chunks=K)",
     )
     loading = argparse.ArgumentParser(add_help=False)
     loading.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")

@@ -93,7 +93,7 @@ def _attention(layer, ins, outs):
 
 
 def chunked_attention(layer, ins, outs, chunks):
-    """A `MultiHeadAttention` call whose core runs in `chunks` query chunks
+    """A `MultiHeadAttention` call whose core runs in `chunks` chunks
     (`graphckpt.runtime.attention`; the graph marks it `attention_chunks`)."""
     key_dim = layer.key_dim or 1
     return attention_rule(

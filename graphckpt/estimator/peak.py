@@ -250,7 +250,7 @@ def _var_bytes(v):
 def _costs(graph, batch_size, attention_chunks=None):
     """(`NodeCosts`, CallEstimates) for `graph`; per example when
     `batch_size` is None (parameter gradients left out then); attention
-    cores in `attention_chunks` query chunks, if given."""
+    cores in `attention_chunks` chunks, if given."""
     tensors = graph.tensors
     scale = batch_size or 1
     tensor_bytes = {k: info.nbytes * scale for k, info in tensors.items()}
@@ -342,7 +342,7 @@ def node_costs(graph, batch_size=None, attention_chunks=None):
     Args:
         graph: a layer-call graph from `graphckpt.graph.build.build_graph`.
         batch_size: examples per step, or None for per-example bytes.
-        attention_chunks: count attention cores in this many query chunks
+        attention_chunks: count attention cores in this many chunks
             (`graphckpt.runtime.attention`), or None.
 
     Returns:

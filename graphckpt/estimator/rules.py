@@ -230,7 +230,7 @@ def attention_rule(
     neighbours) are kept. Fitted on probes over T, E and dropout
     (docs/estimator.md); dropout made no measurable difference.
 
-    With its core in `chunks` query chunks (`graphckpt.runtime.attention`),
+    With its core in `chunks` pieces (`graphckpt.runtime.attention`),
     no score-sized buffer is kept but the dropout mask's booleans (with
     `dropout`); the core's output is kept beside q, k and v, and the
     backward step holds one chunk's core (`MHA_SCORE_BUFFERS`, and two

@@ -1,4 +1,4 @@
-"""Which layer calls can run their attention core in query chunks
+"""Which layer calls can run their attention core in chunks
 (`graphckpt.runtime.attention`), and the node attribute that says they do:
 `attention_chunks`, read by the rewrite, which calls such a layer through
 its `ChunkedAttention`. The estimator counts them in chunks when asked
@@ -11,7 +11,7 @@ __all__ = ["chunkable_attention", "chunkable_calls", "mark_attention_chunks"]
 
 
 def chunkable_attention(layer):
-    """Whether `layer`'s attention core can run in query chunks: a
+    """Whether `layer`'s attention core can run in chunks: a
     `keras.layers.MultiHeadAttention` or a subclass (keras_hub's cached
     attention) that keeps Keras's core."""
     return keras_compat_attention.own_core(layer)

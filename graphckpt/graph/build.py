@@ -338,7 +338,7 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=(), whole_at
             plan's `kept_closed`).
         whole_attention: with `open_layers`, keep each
             `MultiHeadAttention` call whole (`chunkable_attention`): its
-            core runs in query chunks instead (`mark_attention_chunks`).
+            core runs in chunks instead (`mark_attention_chunks`).
 
     Returns:
         A `LayerGraph`, as described in the module docstring.

@@ -71,7 +71,7 @@ class Plan:
             trace only at known shapes were opened at, or None.
         kept_closed: the paths of the composite layer calls kept whole
             because a predicate `open_layers` said so.
-        attention_chunks: the number of query chunks each
+        attention_chunks: the number of chunks each
             `MultiHeadAttention` call's core runs in, or None
             (`graphckpt.plan(..., attention_chunks=...)`).
     """

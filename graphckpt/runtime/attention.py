@@ -1,32 +1,31 @@
-"""Attention in query chunks: the scores of one chunk at a time.
+"""Attention in chunks: the scores of one chunk at a time.
 
 One `MultiHeadAttention` call over T queries and S keys holds score-sized
-tensors (heads x T x S: the softmax output, its dropout mask and output,
-and their gradients in the backward pass). A cut between layer calls
-cannot go inside one call, so at long sequences they bound the peak of any
-plan. `ChunkedAttention(attention, chunks)` calls the layer as it is, except
-for its attention core (`MultiHeadAttention._compute_attention`): the
-query positions are cut into `chunks` runs, and each run's core (scores,
-softmax, dropout, the weighted sum of the values) is rematerialized on its
-own (`graphckpt.runtime.remat.segment_remat`). The forward pass keeps no
-score-sized tensor; the backward pass recomputes one chunk's at a time.
-It is the attention-core recompute of Korthikanti et al. (2022), over
-query chunks as in Rabe & Staats (2021).
+tensors (heads x T x S per example: the softmax output, its dropout mask
+and output, and their gradients in the backward pass). A cut between layer
+calls cannot go inside one call, so at long sequences they bound the peak
+of any plan. `ChunkedAttention(attention, chunks)` calls the layer as it
+is, except for its attention core (`MultiHeadAttention._compute_attention`):
+its (example, head) pairs are cut into `chunks` pieces (heads first, then
+examples; `_pieces`), and each piece's core (scores, softmax, dropout, the
+weighted sum of the values) is rematerialized on its own. The forward pass
+keeps no score-sized tensor; the backward pass recomputes one piece's at a
+time. It is the attention-core recompute of Korthikanti et al. (2022), in
+pieces as Rabe & Staats (2021) take queries.
 
-What stays the same:
-- each output row comes from the same ops on the same values as in the
-  layer (a row of scores is a function of its own query only);
-- dropout: the mask is drawn once, for the whole score tensor, by the
-  layer's own Dropout layer (the same seed draw, in the same order), kept
-  as booleans (a quarter of one float32 score tensor), and applied per
-  chunk with the backend's own arithmetic (`_apply_dropout`);
-- masks: padding, causal and explicit attention masks are cut with the
-  queries.
+Pieces of whole attention matrices, not of queries: every output and every
+gradient of a (example, head) pair is computed by the same ops on the same
+values as in the layer, sums over queries included. So outputs are equal
+bit for bit, and gradients too, but where a later reduction (a projection's
+bias gradient on PyTorch) sums in the memory order of the pieces' gradients
+(equal to rounding). There are at most batch x heads pieces (heads only
+where the batch size is not known).
 
-What changes: the gradients of the keys and values are sums over the query
-positions, taken chunk by chunk, so their rounding differs from one sum
-(as with a fused attention kernel's). `chunks=1` keeps one sum: equal bit
-for bit, with only the recompute added.
+Dropout: the mask is drawn once, for the whole score tensor, as the layer's
+own Dropout layer draws it (the same seed draw, in the same order), kept as
+booleans (a quarter of one float32 score tensor) and applied per piece with
+the backend's own arithmetic (`_apply_dropout`). Masks (padding, causal,
+explicit) are cut with the pieces.
 
 Not chunked (the layer's own core runs): `return_attention_scores=True`,
 attention over more than one axis, an unknown number of queries, flash
@@ -37,7 +36,7 @@ References:
     Transformer Models", 2022 (selective recompute of the attention core).
 
     Rabe, Staats. "Self-attention Does Not Need O(n^2) Memory", 2021
-    (query chunks, each checkpointed).
+    (attention in chunks, each checkpointed).
 """
 
 import inspect
@@ -93,8 +92,8 @@ def _wrapper_class(attention_class):
 
 
 class ChunkedAttention(keras.layers.Layer):
-    """Calls `attention` with its attention core run in `chunks` query
-    chunks, each recomputed in the backward pass (module docstring). Its
+    """Calls `attention` with its attention core run in `chunks` pieces,
+    each recomputed in the backward pass (module docstring). Its
     variables are `attention`'s (`is`-identical); it has none of its own.
     Internal to checkpointed models: the plan records `attention_chunks`,
     and saving writes the source model, whose rewrite makes it again."""
@@ -131,27 +130,24 @@ def _core_in_chunks(attention, chunks):
 
 
 def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
-    """`MultiHeadAttention._compute_attention`'s output, query chunk by
-    query chunk: its two paths (explicit scores when the layer has
-    dropout, else `ops.dot_product_attention`) with their masks."""
+    """`MultiHeadAttention._compute_attention`'s output, chunk by chunk of
+    (example, head) pairs (`_pieces`): its two paths (explicit scores when
+    the layer has dropout, else `ops.dot_product_attention`) with their
+    masks."""
     parts = compat.parts(layer)
     scores_path = parts.dropout_rate > 0.0
-    if causal:  # as the layer's scores path builds it; its fused path takes is_causal
-        causal_mask = parts.causal_mask(query, value)
-        mask = causal_mask if mask is None else ops.logical_and(ops.cast(mask, "bool"), causal_mask)
+    if causal and scores_path:  # as the layer's scores path builds it; its fused path takes is_causal
+        mask = parts.causal_mask(query, value)
     if mask is not None and not scores_path:  # as the fused path shapes it: [B, N, T, S]
         for _ in range(4 - len(mask.shape)):
             mask = ops.expand_dims(mask, axis=-len(parts.axes) * 2 - 1)
         mask = ops.cast(mask, "bool")
     keep = _dropout_keep(parts.dropout, query, key) if scores_path and training else None
-    t = query.shape[1]
-    chunks = max(1, min(chunks, t))
-    bounds = [t * i // chunks for i in range(chunks + 1)]
 
     def core(q, k, v, keep_c, mask_c):
         if not scores_path:
             return ops.dot_product_attention(
-                query=q, key=k, value=v, bias=None, mask=mask_c, scale=parts.scale, is_causal=False,
+                query=q, key=k, value=v, bias=None, mask=mask_c, scale=parts.scale, is_causal=causal,
                 flash_attention=parts.flash,
             )
         q = ops.multiply(q, ops.cast(parts.scale, q.dtype))
@@ -161,18 +157,42 @@ def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
             scores = _apply_dropout(parts.dropout, scores, keep_c)
         return ops.einsum(parts.combine_equation, scores, v)
 
-    outputs, after = [], []
-    for a, b in zip(bounds, bounds[1:]):
-        keep_c = None if keep is None else keep[:, :, a:b]
-        mask_c = None if mask is None else _rows(mask, a, b)
-        outputs.append(_remat(core, [query[:, a:b], key, value], [keep_c, mask_c], after))
-    return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs, axis=1)
+    rows, after = [], []
+    for b in _pieces(query.shape[0], query.shape[2], chunks):
+        row = []
+        for h in b[1]:
+            qkv = [x[b[0], :, h] for x in (query, key, value)]
+            keep_c = None if keep is None else keep[b[0], h]
+            mask_c = None if mask is None else _piece_of_mask(mask, b[0], h)
+            row.append(_remat(core, qkv, [keep_c, mask_c], after))
+        rows.append(row[0] if len(row) == 1 else ops.concatenate(row, axis=2))
+    return rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=0)
 
 
-def _rows(mask, a, b):
-    """Query rows a:b of a mask whose query axis is its second last, or
-    the mask itself where that axis broadcasts (size 1)."""
-    return mask if mask.shape[-2] == 1 else mask[..., a:b, :]
+def _ranges(n, k):
+    """`k` (at most `n`) slices that cut range(n) into near-equal runs."""
+    k = max(1, min(k, n))
+    return [slice(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def _pieces(batch, heads, chunks):
+    """`[(batch slice, [head slices])]`: `chunks` pieces of the (example,
+    head) pairs, heads first, then examples where the batch size is known;
+    at most batch x heads pieces, each a block of whole attention matrices."""
+    if chunks <= heads or batch is None:
+        return [(slice(None), _ranges(heads, chunks))]
+    per_head = [slice(h, h + 1) for h in range(heads)]
+    return [(b, per_head) for b in _ranges(batch, -(-chunks // heads))]
+
+
+def _piece_of_mask(mask, b, h):
+    """The mask of one piece: a [B, T, S] mask (scores path) or a
+    [B, N, T, S] one (fused path), each axis of size 1 left whole."""
+    if mask.shape[0] != 1:
+        mask = mask[b]
+    if len(mask.shape) == 4 and mask.shape[1] != 1:
+        mask = mask[:, h]
+    return mask
 
 
 def _dropout_keep(dropout, query, key):

@@ -109,7 +109,7 @@ def _replay_calls(graph, nodes, values, calls):
         by_id = {id(t): values[k] for t, k in zip(node.input_tensors, data["in_keys"])}
         args, kwargs = node.arguments.fill_in(by_id)
         operation = node.operation
-        if data.get("attention_chunks"):  # its core in query chunks (graphckpt.runtime.attention)
+        if data.get("attention_chunks"):  # its core in chunks (graphckpt.runtime.attention)
             operation = attention.chunked(operation, data["attention_chunks"])
         if data["training"] is not None and keras_compat.takes_call_context_arg(node.operation, "training"):
             # What the enclosing nested model's call passed on to this call,
