@@ -9,7 +9,8 @@ run, methods alternated, medians.
     PYTHONPATH=. .venv/bin/python benchmarks/opening.py --family vit_tiny [--rounds 3]
 
 `--family mha_1024 --batch-size 4`: run_all.py's Transformer family with 4
-blocks of Keras's MultiHeadAttention at sequence 1024, dim 64, 4 heads.
+blocks of Keras's MultiHeadAttention at sequence 1024, dim 64, 4 heads
+(`--rate 0` drops its dropout, attention's included).
 
 `--family gpt2`: keras_hub's GPT2Backbone 12 x 256 at sequence 512, batch 8
 (benchmarks/hub.py's), whose decoders open only at the planned shapes. It
@@ -78,12 +79,13 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=None, help="add plans with attention_chunks=K")
+    parser.add_argument("--rate", type=float, default=0.1, help="mha_1024: the dropout rate (attention's too)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     kwargs = {"seq_len": args.seq_len} if args.family == "user_blocks" else {}
     builder, methods, extra = f"{FAMILIES}:{args.family}", METHODS, {}
     if args.family == "mha_1024":  # 4 MultiHeadAttention blocks at sequence 1024 (pass --batch-size 4)
-        builder, kwargs = f"{FAMILIES}:transformer", dict(seq_len=1024, dim=64, heads=4, ffn=256, depth=4)
+        builder, kwargs = f"{FAMILIES}:transformer", dict(seq_len=1024, dim=64, heads=4, ffn=256, depth=4, rate=args.rate)
     if args.family == "gpt2":
         shape = {"token_ids": (args.batch_size, args.seq_len), "padding_mask": (args.batch_size, args.seq_len)}
         builder, methods, extra = f"{HUB}:gpt2_backbone", _gpt2_methods(shape), {"input_shape": shape, "timeout": 1800}
