@@ -22,7 +22,10 @@ selective recompute: projections kept, attention core recomputed).
 `--chunks K` adds two methods: `attention_chunks=K` (each
 MultiHeadAttention call's core in K chunks of its (example, head) pairs, each recomputed:
 graphckpt.runtime.attention), and the same with `open_layers=True` (a
-user's block opens; its attention stays whole, in chunks).
+user's block opens; its attention stays whole, in chunks); on `--family
+gpt2` a third, with `budget=0.45` (the planner picks what to keep inside
+the blocks; the attention core is recomputed in its pieces). `--only chunks` runs only the
+methods whose names contain "chunks" (and the baseline).
 """
 
 import argparse
@@ -80,6 +83,7 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=None, help="add plans with attention_chunks=K")
     parser.add_argument("--rate", type=float, default=0.1, help="mha_1024: the dropout rate (attention's too)")
+    parser.add_argument("--only", default=None, help="comma-separated parts of method names to run (and the baseline)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     kwargs = {"seq_len": args.seq_len} if args.family == "user_blocks" else {}
@@ -96,6 +100,13 @@ def main(argv=None):
         methods[f"open, attention_chunks={args.chunks}"] = dict(
             method="graphckpt", checkpoint_kwargs=dict(common, open_layers=True)
         )
+        if args.family == "gpt2":  # what to keep inside the blocks, the scores never kept
+            methods[f"open, budget x0.45, chunks={args.chunks}"] = dict(
+                method="graphckpt", checkpoint_kwargs=dict(common, open_layers=True, budget=0.45)
+            )
+    if args.only:
+        methods = {name: m for name, m in methods.items() if name == "baseline" or any(
+            part in name for part in args.only.split(","))}
     runs = alternate(
         methods,
         args.rounds,
