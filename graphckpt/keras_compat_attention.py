@@ -9,7 +9,17 @@ versions (`make test`). Keras is imported lazily.
 import contextlib
 import types
 
-__all__ = ["own_core", "core_replaced", "parts", "draw_seed", "tf_cast_seed", "torch_seed_generator", "native_torch_dropout"]
+__all__ = [
+    "own_core",
+    "core_replaced",
+    "parts",
+    "draw_seed",
+    "tf_cast_seed",
+    "tf_key_counter_alg",
+    "tf_uniform_run",
+    "torch_seed_generator",
+    "native_torch_dropout",
+]
 
 
 def own_core(layer):
@@ -84,3 +94,28 @@ def native_torch_dropout(dropout):
     the Dropout layer `dropout`: its seed generator has no seed
     (`SeedGenerator._initial_seed`) and it has no noise shape."""
     return dropout.seed_generator._initial_seed is None and dropout.noise_shape is None
+
+
+def tf_key_counter_alg(seed):
+    """The Philox key, counter and algorithm `tf.random.stateless_uniform`
+    derives from `seed` (its "auto_select" algorithm; raw ops, public)."""
+    import tensorflow as tf
+
+    return tf.raw_ops.StatelessRandomGetKeyCounterAlg(seed=seed)
+
+
+def tf_uniform_run(key, counter, alg, start, n, dtype):
+    """Elements `start` to `start + n` of the flattened
+    `tf.random.stateless_uniform` draw with this key, counter and
+    algorithm, drawn alone: Philox gives 4 float32s a counter value, in
+    order, so the run starts `start // 4` counter values on (`start` a
+    multiple of 4; the 128-bit counter's low word carries into its high
+    word). Equal bit for bit to the same elements of the whole draw
+    (tests/test_attention_chunks.py)."""
+    import tensorflow as tf
+
+    counter = tf.cast(counter, tf.uint64)
+    low = counter[0] + tf.constant(start // 4, tf.uint64)
+    high = counter[1] + tf.cast(low < counter[0], tf.uint64)
+    offset = tf.stack([low, high])
+    return tf.raw_ops.StatelessRandomUniformV2(shape=[n], key=key, counter=offset, alg=alg, dtype=dtype)

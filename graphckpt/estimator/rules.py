@@ -221,7 +221,8 @@ CHUNKED_DRAW_BYTES = 16
 
 
 def attention_rule(
-    ins, outs, heads, key_dim, value_dim=None, kv_heads=None, self_attention=False, chunks=None, dropout=False
+    ins, outs, heads, key_dim, value_dim=None, kv_heads=None, self_attention=False, chunks=None, dropout=False,
+    drawn_per_piece=False,
 ):
     """Multi-head attention over `ins` (query, then value unless
     `self_attention`): the q/k/v projections keep their inputs; inside,
@@ -236,7 +237,9 @@ def attention_rule(
     backward step holds one chunk's core (`MHA_SCORE_BUFFERS`, and two
     gradients) while it recomputes it, once more a forward pass of the
     core. With `dropout`, the mask is drawn for the whole score tensor at
-    once (`CHUNKED_DRAW_BYTES` a score, while it is drawn)."""
+    once (`CHUNKED_DRAW_BYTES` a score, while it is drawn), or, where each
+    piece draws its own part (`drawn_per_piece`: TensorFlow), a piece's
+    and no mask is kept."""
     query = ins[0]
     value = ins[1] if len(ins) > 1 and not self_attention else ins[0]
     item = itemsize(query)
@@ -253,10 +256,11 @@ def attention_rule(
     saved = frozenset({0}) if self_attention else frozenset(range(min(len(ins), 3)))
     if not chunks:
         return LayerRule(saved_inputs=saved, internal=internal, flops=flops, expensive=True, name="attention")
-    internal = (q + k + v + a) * item + (scores if dropout else 0)
+    kept_mask = dropout and not drawn_per_piece
+    internal = (q + k + v + a) * item + (scores if kept_mask else 0)
     io = sum(i.nbytes for i in ins if is_float(i)) + sum(o.nbytes for o in outs)
     chunk = math.ceil(t / min(chunks, t)) * heads * s * item
-    draw = CHUNKED_DRAW_BYTES * scores if dropout else 0
+    draw = CHUNKED_DRAW_BYTES * (scores if kept_mask else chunk / item) if dropout else 0
     return LayerRule(
         saved_inputs=saved,
         internal=internal,

@@ -39,6 +39,7 @@ References:
     (attention in chunks, each checkpointed).
 """
 
+import functools
 import inspect
 
 import keras
@@ -144,7 +145,7 @@ def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
         mask = ops.cast(mask, "bool")
     keep = _dropout_keep(parts.dropout, query, key) if scores_path and training else None
 
-    def core(q, k, v, keep_c, mask_c):
+    def core(b, h, q, k, v, mask_c, *keep_args):
         if not scores_path:
             return ops.dot_product_attention(
                 query=q, key=k, value=v, bias=None, mask=mask_c, scale=parts.scale, is_causal=causal,
@@ -153,8 +154,8 @@ def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
         q = ops.multiply(q, ops.cast(parts.scale, q.dtype))
         scores = ops.einsum(parts.scores_equation, k, q)
         scores = parts.masked_softmax(scores, mask_c)
-        if keep_c is not None:
-            scores = _apply_dropout(parts.dropout, scores, keep_c)
+        if keep is not None:
+            scores = _apply_dropout(parts.dropout, scores, keep.inside(keep_args, b, h))
         return ops.einsum(parts.combine_equation, scores, v)
 
     rows, after = [], []
@@ -162,9 +163,9 @@ def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
         row = []
         for h in b[1]:
             qkv = [x[b[0], :, h] for x in (query, key, value)]
-            keep_c = None if keep is None else keep[b[0], h]
             mask_c = None if mask is None else _piece_of_mask(mask, b[0], h)
-            row.append(_remat(core, qkv, [keep_c, mask_c], after))
+            keep_args = [] if keep is None else keep.outside(b[0], h)
+            row.append(_remat(functools.partial(core, b[0], h), qkv, [mask_c, *keep_args], after))
         rows.append(row[0] if len(row) == 1 else ops.concatenate(row, axis=2))
     return rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=0)
 
@@ -195,13 +196,57 @@ def _piece_of_mask(mask, b, h):
     return mask
 
 
+class _Kept:
+    """A dropout mask drawn whole and kept as booleans: each piece's part
+    is sliced from it (`outside`) and passed to the piece."""
+
+    def __init__(self, keep):
+        self.keep = keep
+
+    def outside(self, b, h):
+        return [self.keep[b, h]]
+
+    def inside(self, args, b, h):
+        return args[0]
+
+
+class _DrawnPerPiece:
+    """On TensorFlow: each piece draws its own part of the mask, inside its
+    recompute, from Philox counters offset to where that part starts in
+    the whole draw (`keras_compat_attention.tf_uniform_run`): the same
+    values, and no mask kept at all."""
+
+    def __init__(self, seed, shape, dtype, rate):
+        self.state = list(compat.tf_key_counter_alg(seed))
+        self.shape, self.dtype, self.rate = shape, dtype, rate
+
+    def outside(self, b, h):
+        return list(self.state)
+
+    def inside(self, args, b, h):
+        import tensorflow as tf
+
+        batch, heads, t, s = self.shape
+        (b0, b1, _), (h0, h1, _) = b.indices(batch), h.indices(heads)
+        if (h0, h1) == (0, heads):  # whole examples: one run
+            runs = [(b0 * heads * t * s, (b1 - b0) * heads * t * s)]
+        else:
+            runs = [((e * heads + h0) * t * s, (h1 - h0) * t * s) for e in range(b0, b1)]
+        parts = [compat.tf_uniform_run(*args, start, n, self.dtype) for start, n in runs]
+        uniform = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+        return tf.reshape(uniform, [b1 - b0, h1 - h0, t, s]) >= self.rate
+
+
 def _dropout_keep(dropout, query, key):
-    """Which score entries the layer's dropout keeps, as booleans: the
-    draw `keras.random.dropout` makes for the scores (Keras 3.15: one seed
-    from the Dropout layer's seed generator, the scores' shape and dtype),
-    without the float tensors a whole dropout call would also make."""
+    """Which score entries the layer's dropout keeps: the draw
+    `keras.random.dropout` makes for the scores (Keras 3.15: one seed from
+    the Dropout layer's seed generator, the scores' shape and dtype),
+    without the float tensors a whole dropout call would also make; on
+    TensorFlow, drawn piece by piece where the shape allows
+    (`_DrawnPerPiece`), else whole and kept as booleans (`_Kept`)."""
     shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
-    if any(d is None for d in shape):  # a symbolic batch: its run-time size
+    static = all(d is not None for d in shape)
+    if not static:  # a symbolic batch: its run-time size
         shape = (ops.shape(query)[0], query.shape[2], query.shape[1], key.shape[1])
     dtype, rate = dropout.compute_dtype, dropout.rate
     backend = keras.backend.backend()
@@ -213,20 +258,22 @@ def _dropout_keep(dropout, query, key):
         from graphckpt.runtime.remat_tensorflow import tf_tie
 
         seed = tf_tie([compat.tf_cast_seed(compat.draw_seed(dropout.seed_generator))], [query])[0]
-        return tf.random.stateless_uniform(shape, seed=seed, dtype=dtype) >= rate
+        if static and dtype == "float32" and shape[2] * shape[3] % 4 == 0:  # 4 floats a Philox counter
+            return _DrawnPerPiece(seed, shape, dtype, rate)
+        return _Kept(tf.random.stateless_uniform(shape, seed=seed, dtype=dtype) >= rate)
     if backend == "jax":
         import jax
 
         from graphckpt.runtime.remat_jax import jax_tie
 
         seed = jax_tie([compat.draw_seed(dropout.seed_generator)], [query])[0]
-        return jax.random.bernoulli(seed, p=1.0 - rate, shape=shape)
+        return _Kept(jax.random.bernoulli(seed, p=1.0 - rate, shape=shape))
     import torch
 
     if compat.native_torch_dropout(dropout):  # torch's own dropout: bernoulli_ on an empty input-like tensor
-        return torch.empty(shape, dtype=getattr(torch, dtype)).bernoulli_(1.0 - rate) != 0
+        return _Kept(torch.empty(shape, dtype=getattr(torch, dtype)).bernoulli_(1.0 - rate) != 0)
     full = torch.full(shape, 1.0 - rate)
-    return torch.bernoulli(full, generator=compat.torch_seed_generator(dropout.seed_generator)).bool()
+    return _Kept(torch.bernoulli(full, generator=compat.torch_seed_generator(dropout.seed_generator)).bool())
 
 
 def _apply_dropout(dropout, x, keep):
