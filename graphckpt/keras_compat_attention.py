@@ -17,6 +17,8 @@ __all__ = [
     "tf_cast_seed",
     "tf_key_counter_alg",
     "tf_uniform_run",
+    "jax_draws_by_index",
+    "jax_bernoulli_run",
     "torch_seed_generator",
     "native_torch_dropout",
 ]
@@ -119,3 +121,38 @@ def tf_uniform_run(key, counter, alg, start, n, dtype):
     high = counter[1] + tf.cast(low < counter[0], tf.uint64)
     offset = tf.stack([low, high])
     return tf.raw_ops.StatelessRandomUniformV2(shape=[n], key=key, counter=offset, alg=alg, dtype=dtype)
+
+
+def jax_draws_by_index(key):
+    """Whether `jax.random.bernoulli(key, ...)` draws each element from its
+    own flat index (threefry, `jax_threefry_partitionable`, on a raw
+    uint32 key of 2 words, as Keras's seed generators give), so a run of
+    it can be drawn alone (`jax_bernoulli_run`)."""
+    import jax
+
+    return (
+        jax.config.jax_threefry_partitionable
+        and jax.config.jax_default_prng_impl == "threefry2x32"
+        and tuple(key.shape) == (2,)
+        and str(key.dtype) == "uint32"
+    )
+
+
+def jax_bernoulli_run(key, start, n, p):
+    """Elements `start` to `start + n` of the flattened
+    `jax.random.bernoulli(key, p, shape)` draw, drawn alone: JAX's
+    partitionable threefry hashes each element's flat index (split into
+    two 32-bit words), and `uniform` makes a float in [1, 2) of the bits'
+    top 23, minus 1 (jax/_src/random/threefry2x32.py, jax/_src/random.py,
+    JAX 0.10). Equal bit for bit to the same elements of the whole draw
+    (tests/test_attention_chunks.py)."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.extend.random import threefry2x32_p
+
+    lo = jnp.arange(n, dtype=jnp.uint32) + jnp.uint32(start & 0xFFFFFFFF)
+    hi = jnp.uint32(start >> 32) + (lo < jnp.uint32(start & 0xFFFFFFFF)).astype(jnp.uint32)
+    bits1, bits2 = threefry2x32_p.bind(key[0], key[1], jnp.broadcast_to(hi, (n,)), lo)
+    mantissa = lax.shift_right_logical(bits1 ^ bits2, jnp.uint32(32 - 23))
+    floats = lax.bitcast_convert_type(mantissa | jnp.uint32(0x3F800000), jnp.float32) - jnp.float32(1.0)
+    return lax.max(jnp.float32(0.0), floats * jnp.float32(1.0) + jnp.float32(0.0)) < jnp.float32(p)

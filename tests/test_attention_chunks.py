@@ -179,7 +179,7 @@ def test_the_estimate_counts_no_score_sized_buffer_and_the_baseline_stays_the_or
     chunked_estimate = graphckpt.estimate(model, in_chunks, batch_size=4)
     assert chunked_estimate.peak_bytes == in_chunks.estimated_peak_bytes
     with_dropout = graphckpt.plan(_transformer(rate=0.1, seq=256, dim=32, depth=2), batch_size=4, attention_chunks=8)
-    if BACKEND == "tensorflow":  # each piece draws its part of the mask: nothing score-sized
+    if BACKEND != "torch":  # each piece draws its part of the mask: nothing score-sized
         assert with_dropout.estimated_peak_bytes < whole.estimated_peak_bytes - scores
     else:  # the mask drawn whole (about 16 bytes a score, while drawn)
         assert with_dropout.estimated_peak_bytes >= in_chunks.estimated_peak_bytes + scores
@@ -268,6 +268,22 @@ def test_inspect_plans_with_attention_chunks(tmp_path, capsys):
     assert totals[1]["plan_bytes"] < totals[0]["plan_bytes"]
     assert cli.main(["inspect", str(path), "--batch-size", "4", "--attention-chunks", "4"]) == 0
     assert "attention in 4 chunks" in " ".join(capsys.readouterr().out.split())  # the title wraps at 80 columns
+
+
+def test_jax_draws_a_piece_of_the_mask_as_the_whole_draw_has_it():
+    if BACKEND != "jax":
+        pytest.skip("threefry over flat indices: JAX's draw")
+    import jax
+    import jax.numpy as jnp
+
+    from graphckpt import keras_compat_attention as compat
+
+    key = jnp.array([12345, 6789], jnp.uint32)
+    assert compat.jax_draws_by_index(key)
+    whole = np.asarray(jax.random.bernoulli(key, p=0.9, shape=(3, 5, 16, 24))).reshape(-1)
+    for start, n in [(0, 384), (384, 768), (4 * 384, 6 * 384), (14 * 384, 384)]:
+        run = jax.jit(compat.jax_bernoulli_run, static_argnums=(1, 2, 3))(key, start, n, 0.9)
+        np.testing.assert_array_equal(np.asarray(run), whole[start : start + n])
 
 
 def test_tensorflow_draws_a_piece_of_the_mask_as_the_whole_draw_has_it():

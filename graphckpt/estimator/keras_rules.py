@@ -98,7 +98,7 @@ def chunked_attention(layer, ins, outs, chunks):
     key_dim = layer.key_dim or 1
     return attention_rule(
         ins, outs, layer.num_heads or 1, key_dim, layer.value_dim or key_dim, chunks=chunks, dropout=layer.dropout > 0,
-        drawn_per_piece=keras.backend.backend() == "tensorflow",  # graphckpt.runtime.attention._DrawnPerPiece
+        drawn_per_piece=keras.backend.backend() in ("tensorflow", "jax"),  # graphckpt.runtime.attention._DrawnPerPiece
     )
 
 

@@ -238,8 +238,8 @@ def attention_rule(
     gradients) while it recomputes it, once more a forward pass of the
     core. With `dropout`, the mask is drawn for the whole score tensor at
     once (`CHUNKED_DRAW_BYTES` a score, while it is drawn), or, where each
-    piece draws its own part (`drawn_per_piece`: TensorFlow), a piece's
-    and no mask is kept."""
+    piece draws its own part (`drawn_per_piece`: TensorFlow and JAX), a
+    piece's, and no mask is kept."""
     query = ins[0]
     value = ins[1] if len(ins) > 1 and not self_attention else ins[0]
     item = itemsize(query)

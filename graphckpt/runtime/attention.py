@@ -163,11 +163,21 @@ def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
         row = []
         for h in b[1]:
             qkv = [x[b[0], :, h] for x in (query, key, value)]
+            if keras.backend.backend() == "jax" and (row or rows):  # XLA would run the pieces side by side
+                qkv = _jax_after(qkv, row[-1] if row else rows[-1])
             mask_c = None if mask is None else _piece_of_mask(mask, b[0], h)
             keep_args = [] if keep is None else keep.outside(b[0], h)
             row.append(_remat(functools.partial(core, b[0], h), qkv, [mask_c, *keep_args], after))
         rows.append(row[0] if len(row) == 1 else ops.concatenate(row, axis=2))
     return rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=0)
+
+
+def _jax_after(tensors, previous):
+    """`tensors`, their values unchanged, computed after `previous` (the
+    last piece's output): so the forward pass runs one piece at a time."""
+    from graphckpt.runtime.remat_jax import jax_tie
+
+    return jax_tie(tensors, [previous])
 
 
 def _ranges(n, k):
@@ -211,30 +221,34 @@ class _Kept:
 
 
 class _DrawnPerPiece:
-    """On TensorFlow: each piece draws its own part of the mask, inside its
-    recompute, from Philox counters offset to where that part starts in
-    the whole draw (`keras_compat_attention.tf_uniform_run`): the same
-    values, and no mask kept at all."""
+    """Each piece draws its own part of the mask, inside its recompute: the
+    elements of the whole draw where that part lies (`_runs`), from the
+    random generator's counters offset to them, so the same values
+    (TensorFlow's Philox: `keras_compat_attention.tf_uniform_run`; JAX's
+    threefry: `jax_bernoulli_run`), and no mask is kept."""
 
-    def __init__(self, seed, shape, dtype, rate):
-        self.state = list(compat.tf_key_counter_alg(seed))
-        self.shape, self.dtype, self.rate = shape, dtype, rate
+    def __init__(self, state, shape, keep):
+        self.state, self.shape, self.keep = list(state), shape, keep
 
     def outside(self, b, h):
         return list(self.state)
 
     def inside(self, args, b, h):
-        import tensorflow as tf
-
         batch, heads, t, s = self.shape
         (b0, b1, _), (h0, h1, _) = b.indices(batch), h.indices(heads)
-        if (h0, h1) == (0, heads):  # whole examples: one run
-            runs = [(b0 * heads * t * s, (b1 - b0) * heads * t * s)]
-        else:
-            runs = [((e * heads + h0) * t * s, (h1 - h0) * t * s) for e in range(b0, b1)]
-        parts = [compat.tf_uniform_run(*args, start, n, self.dtype) for start, n in runs]
-        uniform = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-        return tf.reshape(uniform, [b1 - b0, h1 - h0, t, s]) >= self.rate
+        parts = [self.keep(args, start, n) for start, n in _runs(self.shape, b, h)]
+        flat = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
+        return ops.reshape(flat, (b1 - b0, h1 - h0, t, s))
+
+
+def _runs(shape, b, h):
+    """`(start, length)` of the runs of the flattened [B, N, T, S] draw that
+    the examples `b` and heads `h` take, in order."""
+    batch, heads, t, s = shape
+    (b0, b1, _), (h0, h1, _) = b.indices(batch), h.indices(heads)
+    if (h0, h1) == (0, heads):  # whole examples: one run
+        return [(b0 * heads * t * s, (b1 - b0) * heads * t * s)]
+    return [((e * heads + h0) * t * s, (h1 - h0) * t * s) for e in range(b0, b1)]
 
 
 def _dropout_keep(dropout, query, key):
@@ -259,7 +273,10 @@ def _dropout_keep(dropout, query, key):
 
         seed = tf_tie([compat.tf_cast_seed(compat.draw_seed(dropout.seed_generator))], [query])[0]
         if static and dtype == "float32" and shape[2] * shape[3] % 4 == 0:  # 4 floats a Philox counter
-            return _DrawnPerPiece(seed, shape, dtype, rate)
+            return _DrawnPerPiece(
+                compat.tf_key_counter_alg(seed), shape,
+                lambda state, start, n: compat.tf_uniform_run(*state, start, n, dtype) >= rate,
+            )
         return _Kept(tf.random.stateless_uniform(shape, seed=seed, dtype=dtype) >= rate)
     if backend == "jax":
         import jax
@@ -267,6 +284,10 @@ def _dropout_keep(dropout, query, key):
         from graphckpt.runtime.remat_jax import jax_tie
 
         seed = jax_tie([compat.draw_seed(dropout.seed_generator)], [query])[0]
+        if static and compat.jax_draws_by_index(seed):
+            return _DrawnPerPiece(
+                [seed], shape, lambda state, start, n: compat.jax_bernoulli_run(state[0], start, n, 1.0 - rate)
+            )
         return _Kept(jax.random.bernoulli(seed, p=1.0 - rate, shape=shape))
     import torch
 
