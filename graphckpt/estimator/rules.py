@@ -213,10 +213,10 @@ def unknown_rule(layer, ins, outs):
 # Score-sized buffers kept per MultiHeadAttention call (probed; see
 # docs/estimator.md).
 MHA_SCORE_BUFFERS = 2.2
-# Bytes per score of the whole-tensor dropout draw of attention in chunks:
-# XLA's threefry holds about 16 (counters, bits, uniforms; its temporaries
-# with and without the draw, benchmarks/opening.py's MHA family on JAX);
-# TensorFlow's uniforms and mask about 10 (RSS).
+# Bytes per score a dropout draw of attention in chunks holds while it runs:
+# XLA's threefry about 16 (counters, bits, uniforms; its temporaries with and
+# without the draw, benchmarks/opening.py's MHA family on JAX); PyTorch's
+# whole draw about 9 (probabilities, draw, booleans).
 CHUNKED_DRAW_BYTES = 16
 
 

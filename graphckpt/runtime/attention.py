@@ -21,11 +21,14 @@ bias gradient on PyTorch) sums in the memory order of the pieces' gradients
 (equal to rounding). There are at most batch x heads pieces (heads only
 where the batch size is not known).
 
-Dropout: the mask is drawn once, for the whole score tensor, as the layer's
-own Dropout layer draws it (the same seed draw, in the same order), kept as
-booleans (a quarter of one float32 score tensor) and applied per piece with
-the backend's own arithmetic (`_apply_dropout`). Masks (padding, causal,
-explicit) are cut with the pieces.
+Dropout: the mask is the one the layer's own Dropout layer draws (the same
+seed draw, in the same order), applied per piece with the backend's own
+arithmetic (`_apply_dropout`). On TensorFlow and JAX each piece draws its
+own part of it, inside its recompute, from the random generator's
+counters at that part's place in the whole draw (`_DrawnPerPiece`): no
+mask is kept. On PyTorch (a sequential generator) it is drawn whole and
+kept as booleans (`_Kept`: a quarter of one float32 score tensor). Masks
+(padding, causal, explicit) are cut with the pieces.
 
 Not chunked (the layer's own core runs): `return_attention_scores=True`,
 attention over more than one axis, an unknown number of queries, flash
