@@ -300,3 +300,21 @@ def test_tensorflow_draws_a_piece_of_the_mask_as_the_whole_draw_has_it():
         run = compat.tf_uniform_run(*state, start, n, "float32").numpy()
         np.testing.assert_array_equal(run, whole[start : start + n])
     assert not np.array_equal(compat.tf_uniform_run(*state, 4, 384, "float32").numpy(), whole[:384])
+
+
+def test_mixed_precision_keeps_the_layers_outputs_and_masks():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        layer, x = _attention(0.3)
+        y0, g0 = _run(layer, x, None, {})
+        y1, g1 = _run(layer, x, 2, {})
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert y1.dtype == y0.dtype == np.float16
+    if BACKEND == "tensorflow":  # the same float16 ops on each piece
+        np.testing.assert_array_equal(y1, y0)
+    else:  # float16 matmuls of another shape: an ulp of float16 at most; a wrong mask is far more
+        np.testing.assert_allclose(y1.astype("float32"), y0.astype("float32"), atol=2e-3, rtol=0)
+    scale = max(np.abs(g.astype("float32")).max() for g in g0)
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(a.astype("float32"), b.astype("float32"), atol=1e-2 * scale, rtol=0)

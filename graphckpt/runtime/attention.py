@@ -55,7 +55,7 @@ from graphckpt.runtime.remat import segment_remat
 
 __all__ = ["ChunkedAttention", "chunked"]
 
-_CACHE_ATTR = "_graphckpt_chunked"  # on the attention layer: {chunks: ChunkedAttention}
+_CACHE_ATTR = "_graphckpt_chunked"  # on the attention layer: its `_Wrappers`
 
 
 def chunked(layer, chunks):
