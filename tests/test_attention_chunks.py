@@ -164,7 +164,8 @@ def test_a_model_with_attention_chunks_trains_like_the_original():
     assert sorted(id(w.attention) for w in wrappers) == sorted(id(a) for a in attention)
     assert all(any(v is w for w in model.weights) for v in ck.weights) and len(ck.weights) == len(model.weights)
     x = np.random.default_rng(0).standard_normal((4, 32, 16)).astype("float32")
-    for compiled in (False, True) if BACKEND != "torch" else (False,):  # tf.function / jax.jit
+    # TensorFlow eager and in a tf.function; JAX under jit, as its trainer runs; PyTorch eager.
+    for compiled in {"tensorflow": (False, True), "jax": (True,), "torch": (False,)}[BACKEND]:
         compare_step(model, ck, x, compiled=compiled, atol=1e-6, rtol=1e-5)
 
 
@@ -318,3 +319,27 @@ def test_mixed_precision_keeps_the_layers_outputs_and_masks():
     scale = max(np.abs(g.astype("float32")).max() for g in g0)
     for a, b in zip(g1, g0):
         np.testing.assert_allclose(a.astype("float32"), b.astype("float32"), atol=1e-2 * scale, rtol=0)
+
+
+def test_a_gpt2_causal_lm_with_its_attention_in_pieces_trains_as_plain_fit(installed):
+    """keras_hub's `CachedMultiHeadAttention` (causal and padding masks,
+    attention dropout), called through its own signature, in pieces."""
+    keras_hub = pytest.importorskip("keras_hub", exc_type=ImportError)
+    import tensorflow as tf
+
+    from tests.test_opening import _gpt2_lm, _tokens
+
+    data = tf.data.Dataset.from_tensor_slices(_tokens(8)).batch(4, drop_remainder=True)
+    runs = {}
+    for name, flag in [("plain", {}), ("pieces", {"gradient_checkpointing": True, "open_layers": True, "attention_chunks": 3})]:
+        model = _gpt2_lm(keras_hub)
+        keras.utils.set_random_seed(3)
+        history = model.fit(data, epochs=3, verbose=0, **flag)
+        runs[name] = (history.history["loss"], [to_numpy(v.value) for v in model.weights], model)
+    np.testing.assert_allclose(runs["pieces"][0], runs["plain"][0], rtol=1e-5)
+    for a, b in zip(runs["pieces"][1], runs["plain"][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+    from graphckpt.training.flag import _CACHE_ATTR
+
+    ((_, plan),) = runs["pieces"][2].__dict__[_CACHE_ATTR].plans.values()
+    assert plan.attention_chunks == 3
