@@ -227,6 +227,23 @@ def _gpt2_lm(keras_hub):
     return model
 
 
+def gpt2_fits_alike(keras_hub, data, flag):
+    """Fits the small GPT-2 LM plainly and with the fit flag's `flag`
+    (3 epochs, the same seeds), asserts the same loss history and weights,
+    and returns the flag's model."""
+    runs = []
+    for kwargs in ({}, flag):
+        model = _gpt2_lm(keras_hub)
+        keras.utils.set_random_seed(3)
+        history = model.fit(data, epochs=3, verbose=0, **kwargs)
+        runs.append((history.history["loss"], [to_numpy(v.value) for v in model.weights], model))
+    (plain_loss, plain_weights, _), (loss, weights, model) = runs
+    np.testing.assert_allclose(loss, plain_loss, rtol=1e-5)
+    for a, b in zip(weights, plain_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+    return model
+
+
 def _tokens(n, seq=8):
     rng = np.random.default_rng(0)
     mask = np.ones((n, seq), "int32")
@@ -248,18 +265,10 @@ def test_a_gpt2_causal_lm_opens_its_decoders_at_the_data_shapes_and_trains_as_pl
     # keras_hub's task `fit` batches arrays into a dataset whose batch
     # dimension is unknown; a dataset of full batches gives it.
     data = tf.data.Dataset.from_tensor_slices(_tokens(8)).batch(4, drop_remainder=True)
-    runs = {}
-    for name, flag in [("plain", {}), ("opened", {"gradient_checkpointing": 6, "open_layers": True})]:
-        model = _gpt2_lm(keras_hub)
-        keras.utils.set_random_seed(3)
-        history = model.fit(data, epochs=3, verbose=0, **flag)
-        runs[name] = (history.history["loss"], [to_numpy(v.value) for v in model.weights], model)
-    np.testing.assert_allclose(runs["opened"][0], runs["plain"][0], rtol=1e-5)
-    for a, b in zip(runs["opened"][1], runs["plain"][1]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+    model = gpt2_fits_alike(keras_hub, data, {"gradient_checkpointing": 6, "open_layers": True})
     from graphckpt.training.flag import _CACHE_ATTR
 
-    ((twin, plan),) = runs["opened"][2].__dict__[_CACHE_ATTR].plans.values()
+    ((twin, plan),) = model.__dict__[_CACHE_ATTR].plans.values()
     assert plan.opened_at is not None and plan.opened_at[0] == (4, 8)
     inside = [seg for seg in plan.segments if "transformer_layer_0/" in seg.nodes[0][0]]
     assert inside and all(s.forward_calls >= 2 for s in twin.segments)
