@@ -128,17 +128,16 @@ def _core_in_chunks(attention, chunks):
         if whole or parts.flash:
             extra = {"use_causal_mask": True} if use_causal_mask else {}
             return original(query, key, value, attention_mask, training, return_attention_scores, **extra)
-        return _chunked_core(attention, chunks, query, key, value, attention_mask, training, use_causal_mask), None
+        return _chunked_core(parts, chunks, query, key, value, attention_mask, training, use_causal_mask), None
 
     return compat.core_replaced(attention, compute)
 
 
-def _chunked_core(layer, chunks, query, key, value, mask, training, causal):
+def _chunked_core(parts, chunks, query, key, value, mask, training, causal):
     """`MultiHeadAttention._compute_attention`'s output, chunk by chunk of
     (example, head) pairs (`_pieces`): its two paths (explicit scores when
     the layer has dropout, else `ops.dot_product_attention`) with their
-    masks."""
-    parts = compat.parts(layer)
+    masks. `parts`: the layer's (`keras_compat_attention.parts`)."""
     scores_path = parts.dropout_rate > 0.0
     if causal and scores_path:  # as the layer's scores path builds it; its fused path takes is_causal
         mask = parts.causal_mask(query, value)
@@ -259,7 +258,7 @@ def _dropout_keep(dropout, query, key):
     `keras.random.dropout` makes for the scores (Keras 3.15: one seed from
     the Dropout layer's seed generator, the scores' shape and dtype),
     without the float tensors a whole dropout call would also make; on
-    TensorFlow, drawn piece by piece where the shape allows
+    TensorFlow and JAX drawn piece by piece where the shape allows
     (`_DrawnPerPiece`), else whole and kept as booleans (`_Kept`)."""
     shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
     static = all(d is not None for d in shape)
@@ -324,7 +323,8 @@ def _apply_dropout(dropout, x, keep):
 
 def _remat(fn, tensors, extras, after):
     """`fn(*tensors, *extras)` rematerialized: the forward pass keeps only
-    the arguments; `extras` (boolean masks, or None) get no gradient.
+    the arguments; `extras` (the piece's mask and its dropout's mask or
+    random state, or None) get no gradient.
 
     The chunks' backward steps are independent of one another, and a
     scheduler may run them all at once, every chunk's scores alive
