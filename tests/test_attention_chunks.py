@@ -140,6 +140,38 @@ def test_each_chunk_is_recomputed_once_in_the_backward_pass():
     assert "_compute_attention" not in layer.__dict__  # the layer's own core is back
 
 
+def test_the_pieces_are_split_so_no_gradient_is_padded_to_the_whole():
+    """The pieces' queries, keys and values come from splits: a slice's
+    gradient would be zeros of the whole tensor's size with the piece's
+    part in it, and TensorFlow held every piece's until their sum (at 32
+    pieces of a (8, 1280, 4, 64) query, 3 x 32 of 10 MiB each)."""
+    if BACKEND != "tensorflow":
+        pytest.skip("counted in TensorFlow's gradient graph")
+    import tensorflow as tf
+
+    layer, x = _attention(0.3, seed=5)
+    mask = MASKS["padding"]()["attention_mask"]
+
+    def op_types(chunks):
+        target = chunked(layer, chunks)
+
+        @tf.function
+        def step(xx):
+            with tf.GradientTape() as tape:
+                tape.watch(xx)
+                y = target(xx, xx, attention_mask=mask, training=True)
+            return tape.gradient(tf.reduce_sum(y * y), [xx] + layer.trainable_variables)
+
+        graph = step.get_concrete_function(tf.constant(x)).graph.as_graph_def()
+        nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+        return [n.op for n in nodes]
+
+    types = op_types(4)  # 2 examples x 2 heads
+    assert types.count("SplitV") >= 3 * 3  # q, k, v by examples, then each example's by heads
+    assert "StridedSliceGrad" not in types
+    assert "SplitV" not in op_types(1)  # one piece: nothing cut
+
+
 def _transformer(rate=0.1, seq=32, dim=16, depth=2):
     keras.utils.set_random_seed(0)
     inp = keras.Input((seq, dim))

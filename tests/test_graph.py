@@ -3,6 +3,7 @@
 import keras
 import networkx as nx
 import numpy as np
+import pytest
 from keras import layers
 
 from graphckpt.graph.build import build_graph, dependencies, kept_whole_note, live_tensors
@@ -242,3 +243,38 @@ def test_liveness_of_a_graph_and_of_its_model_agree():
     assert {k for k, t in by_key.items() if id(t) in tensors} == live
     read = [model.get_layer("a"), passing.get_layer("inner"), model.get_layer("out")]
     assert {id(v) for v in variables} == {id(v) for layer in read for v in layer.variables}
+
+
+@pytest.mark.backends
+def test_a_mask_made_from_an_input_is_computed_in_its_readers_segment():
+    """`graph.from_inputs`: calls without weights or state that read only
+    model inputs and each other (a padding mask made from token ids). The
+    planner runs them just before their reader, so the mask is made inside
+    the reader's segment, not kept across the cuts before it; the
+    checkpointed model computes the same."""
+    import graphckpt
+    from graphckpt.planner import topological_order
+
+    ids = keras.Input((6,), dtype="int32", name="ids")
+    extra = keras.Input((8,), name="extra")
+    h = layers.Embedding(50, 8, name="embed")(ids)
+    mask = keras.ops.expand_dims(keras.ops.cast(keras.ops.not_equal(ids, 0), "float32"), -1)
+    for i in range(4):
+        h = layers.Dense(8, activation="tanh", name=f"d{i}")(h)
+    h = keras.ops.multiply(h, mask)
+    side = layers.Dense(8, name="side")(layers.Dropout(0.5, seed=1, name="drop")(extra))
+    model = keras.Model([ids, extra], [h, side])
+    g = build_graph(model)
+    found = {g.nodes[n]["class_name"] for n in g.from_inputs}
+    assert found == {"NotEqual", "Cast", "ExpandDims"}, found  # not Embedding, Dense (weights) or Dropout (state)
+    order = topological_order(g)
+    reader = next(n for n in order if g.nodes[n]["class_name"] == "Multiply")
+    assert [g.nodes[n]["class_name"] for n in order[order.index(reader) - 3 : order.index(reader)]] == [
+        "NotEqual", "Cast", "ExpandDims"
+    ]
+    ck = graphckpt.checkpoint_model(model, segments=3)
+    segment = next(s for s in ck.plan.segments if reader in s.nodes)
+    assert set(g.from_inputs) <= set(segment.nodes)
+    x = [np.array([[1, 2, 0, 3, 0, 4]] * 2, "int32"), np.ones((2, 8), "float32")]
+    for got, want in zip(ck(x, training=False), model(x, training=False)):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(got), keras.ops.convert_to_numpy(want))

@@ -161,6 +161,24 @@ def test_side_branches_are_scheduled_early():
     assert order.index("aux") < order.index("n4")
 
 
+def test_calls_made_from_inputs_alone_run_just_before_their_first_reader():
+    """A mask made from an input (`graph.from_inputs`) runs where it is
+    read: in ASAP order it ran first, and a plan kept its (large) output
+    across every cut up to its reader."""
+    edges = chain_edges(10) + [("in", "cast"), ("cast", "mask"), ("mask", "n8"), ("n0", "aux")]
+    g = literal_graph(edges, sizes={"mask": 100})
+    assert topological_order(g).index("mask") < topological_order(g).index("n3")  # ASAP without the field
+    g.graph["from_inputs"] = frozenset({"cast", "mask", "aux"})
+    order = topological_order(g)
+    assert order[order.index("n8") - 2 : order.index("n8")] == ("cast", "mask")
+    assert order.index("aux") < order.index("n2")  # no reader: stays where ASAP put it
+    assert sorted(order) == sorted(n for n in g if g.nodes[n]["kind"] != "input")
+    plan = plan_segments(g, segments=4)
+    validate_plan(g, plan)
+    reader = next(s for s in plan.segments if "n8" in s.nodes)
+    assert "mask" in reader.nodes and all(("mask", 0, 0) not in s.outputs for s in plan.segments)
+
+
 @pytest.mark.parametrize("bad", [0, -3, 99, 2.5, "abc", True, None])
 def test_bad_segment_counts(bad):
     g = literal_graph(chain_edges(10))

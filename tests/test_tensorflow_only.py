@@ -187,19 +187,52 @@ def test_tanh_gelu_rule_counts_what_tensorflow_keeps():
     assert abs(estimated - measured) <= 0.2 * io + 0.2 * measured, (estimated, measured, io)
 
 
+def test_a_segments_forward_pass_waits_for_its_inputs():
+    """In a graph, what a segment's forward pass closes over (an integer
+    input that a causal mask is made from) reaches its ops only after the
+    segment's inputs exist, by a control dependency: TensorFlow's executor
+    otherwise made every segment's mask at the step's start and held them
+    all. Eagerly, nothing is tied."""
+    import tensorflow as tf
+
+    from graphckpt.runtime.remat_tensorflow import tf_remat
+
+    ids = tf.constant([[1, 2, 0]])
+    seen = {}
+
+    def f(x, tie=list):
+        (tied,) = tie([ids])
+        seen["tied"] = tied
+        return (x * tf.cast(tied, x.dtype),)
+
+    @tf.function
+    def forward(x):
+        return tf_remat(f, 1)(x)
+
+    x = tf.constant([[1.0, 2.0, 3.0]])
+    concrete = forward.get_concrete_function(x)
+    inputs = {op.name for op in concrete.graph.get_operations() if op.type == "Placeholder"}
+    assert seen["tied"].op.type == "Identity"
+    assert inputs & set(_ancestors(seen["tied"].op))  # the segment's input comes first
+    assert not inputs & set(_ancestors(seen["tied"].op, control=False))  # by order only: no data
+    np.testing.assert_array_equal(forward(x)[0].numpy(), [[1.0, 4.0, 0.0]])
+    tf_remat(f, 1)(x)
+    assert seen["tied"] is ids
+
+
 def test_closed_over_values_wait_for_the_gradients():
-    """`_tie_closed`, what a segment's recompute closes over: small
+    """`tf_tie_closed`, what a segment's recompute closes over: small
     integers of known size (seed states) by `tf_tie`'s select (the values
     kept), everything else (frozen weights, an integer input of any size)
     by a control dependency, which copies nothing. All reach the output
     only after the gradient."""
     import tensorflow as tf
 
-    from graphckpt.runtime.remat_tensorflow import _tie_closed
+    from graphckpt.runtime.remat_tensorflow import tf_tie_closed
 
     @tf.function
     def tied(weights, seed, mask, words, gradient):
-        return _tie_closed([weights, seed, mask, words], [gradient])
+        return tf_tie_closed([weights, seed, mask, words], [gradient])
 
     concrete = tied.get_concrete_function(
         tf.TensorSpec([3, 3]),

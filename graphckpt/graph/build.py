@@ -31,6 +31,9 @@ Contract:
   such as Keras's global seed generator; the mask attached to a tensor its
   readers share), each in Keras's execution order: they must run in that
   order (`graphckpt.graph.chains`).
+- `graph.from_inputs` is the set of calls without weights or state that
+  read only model inputs and each other (masks, position ids): the
+  planner runs each just before its first reader (`graphckpt.graph.chains`).
 - `graph.kept_whole` maps the path of each nested model's call that
   stays one node to why (`kept_whole_note` puts it in words for warnings).
 - `graph.tensors` maps each tensor key to a `TensorInfo`; `graph.inputs` /
@@ -49,7 +52,7 @@ import math
 
 from graphckpt import keras_compat
 from graphckpt.graph import attention
-from graphckpt.graph.chains import state_chains
+from graphckpt.graph.chains import from_inputs, state_chains
 from graphckpt.graph.layer_graph import INPUT, LAYER, LayerGraph, TensorInfo
 from graphckpt.graph.nesting import called_on, flattenable, functional_of, kept_whole_note, nodes_of
 
@@ -357,9 +360,11 @@ def build_graph(model, open_layers=False, known_shapes=None, closed=(), whole_at
             break
         keep_whole |= clashes
     graph = builder.graph
+    chains = state_chains(graph)
     graph.set_fields(
         tensors=builder.tensors,
-        state_chains=state_chains(graph),
+        state_chains=chains,
+        from_inputs=from_inputs(graph, chains),
         inputs=[keys[id(t)] for t in fn.inputs],
         outputs=[keys[id(t)] for t in fn.outputs],
         name=model.name,

@@ -1,14 +1,18 @@
-"""Layer calls that share state, which must run in Keras's order.
+"""The order facts of a layer graph (see `graphckpt.graph.build`), which
+the planner's order follows (`graphckpt.planner.data.topological_order`)
+and the rewrite runs:
 
-`state_chains(graph)` is `graph.state_chains` (see
-`graphckpt.graph.build`); the planner keeps the calls of each chain in their order
-(`graphckpt.planner.data.topological_order`), and the rewrite runs them so.
+- `state_chains(graph)`, `graph.state_chains`: layer calls that share
+  state, which must run in Keras's order;
+- `from_inputs(graph)`, `graph.from_inputs`: calls without weights or
+  state made from the model's inputs alone, which can run anywhere before
+  their readers.
 """
 
 from graphckpt import keras_compat
 from graphckpt.graph.layer_graph import INPUT
 
-__all__ = ["state_chains"]
+__all__ = ["from_inputs", "state_chains"]
 
 
 def _masked(graph):
@@ -71,3 +75,24 @@ def state_chains(graph):
                 by_variable.setdefault(("mask", k), []).append(key)
     chains = (tuple(keys) for keys in by_variable.values() if len(keys) > 1)
     return list(dict.fromkeys(chains))
+
+
+def from_inputs(graph, chains):
+    """The calls made from the model's inputs alone, through calls without
+    weights or state: masks and position ids (keras_hub's decoders make
+    their causal masks so). A call qualifies when it has no variables
+    (weights, statistics, seed-generator states), runs no user code, is in none of
+    `chains` (`state_chains(graph)`), and reads only model inputs and such
+    calls' outputs. They can run anywhere before their readers, with the
+    same results."""
+    found = set()
+    for key, data in sorted(graph.nodes(data=True), key=lambda item: item[1]["position"]):
+        if data["kind"] == INPUT:
+            continue
+        layer = data["layer"]
+        # `variables`: weights, statistics and seed-generator states (ops have none)
+        if getattr(layer, "variables", ()) or _runs_user_code(layer) or any(key in chain for chain in chains):
+            continue
+        if all(graph.nodes[p]["kind"] == INPUT or p in found for p in graph.predecessors(key)):
+            found.add(key)
+    return frozenset(found)

@@ -34,7 +34,9 @@ import types
 
 import networkx as nx
 
-__all__ = ["INPUT", "LAYER", "LayerGraph", "TensorInfo", "outputs_of", "state_chains_of", "tensors_of"]
+__all__ = [
+    "INPUT", "LAYER", "LayerGraph", "TensorInfo", "from_inputs_of", "outputs_of", "state_chains_of", "tensors_of"
+]
 
 INPUT = "input"
 LAYER = "layer"
@@ -75,6 +77,12 @@ def state_chains_of(graph):
     return graph.graph.get("state_chains", ())
 
 
+def from_inputs_of(graph):
+    """The calls without weights or state made from the model's inputs
+    alone (none where the graph does not say)."""
+    return graph.graph.get("from_inputs", frozenset())
+
+
 _NONE = types.MappingProxyType({})
 
 
@@ -90,6 +98,11 @@ class LayerGraph(nx.DiGraph):
     tensors = property(tensors_of, doc="Tensor key -> `TensorInfo`, for every tensor of the graph.")
     outputs = property(outputs_of, doc="The model's output tensor keys, flattened, in its order.")
     state_chains = property(state_chains_of, doc="Tuples of calls sharing state (`graphckpt.graph.chains`).")
+    from_inputs = property(
+        from_inputs_of,
+        doc="Calls without weights or state made from the model's inputs alone: masks, position ids "
+        "(`graphckpt.graph.chains.from_inputs`); the planner runs each just before its first reader.",
+    )
     inputs = _field("inputs", (), "The model's input tensor keys, flattened, in its order.")
     name = _field("name", None, "The model's name.")
     kept_whole = _field("kept_whole", _NONE, "Path of each nested model's call kept one node -> why.")

@@ -12,7 +12,7 @@ import dataclasses
 
 import networkx as nx
 
-from graphckpt.graph.layer_graph import INPUT, outputs_of, state_chains_of, tensors_of
+from graphckpt.graph.layer_graph import INPUT, from_inputs_of, outputs_of, state_chains_of, tensors_of
 
 __all__ = ["PlannedSegment", "Plan", "topological_order", "plan_from_boundaries", "validate_plan", "format_bytes"]
 
@@ -240,7 +240,28 @@ def topological_order(graph):
     for generation in nx.topological_generations(constrained):
         generation = sorted(generation, key=lambda n: graph.nodes[n]["position"])
         order.extend(n for n in generation if graph.nodes[n]["kind"] != INPUT)
-    return tuple(order)
+    return tuple(_where_first_read(order, from_inputs_of(graph), constrained))
+
+
+def _where_first_read(order, from_inputs, constrained):
+    """`order` with each call of `from_inputs` moved to just before its
+    first reader (those without a reader stay where they are).
+
+    Such a call (a mask or position ids made from the model's inputs) reads
+    only tensors that are held all step anyway: run early, its output
+    would cross every cut up to its reader and be kept there; run late, it
+    is made, and recomputed, inside its reader's segment. (A keras_hub
+    decoder opened at sequence 1280 makes a (batch, 1280, 1280) int32 mask
+    of 50 MiB per block: in ASAP order all of them were kept.)
+    """
+    moved = [n for n in order if n in from_inputs and any(True for _ in constrained.successors(n))]
+    if not moved:
+        return order
+    rest = [n for n in order if n not in set(moved)]
+    for n in reversed(moved):  # readers first: each is placed before it
+        place = {m: i for i, m in enumerate(rest)}
+        rest.insert(min(place[s] for s in constrained.successors(n)), n)
+    return rest
 
 
 def tensor_consumers(graph):

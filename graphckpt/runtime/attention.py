@@ -147,7 +147,11 @@ def _chunked_core(parts, chunks, query, key, value, mask, training, causal):
         mask = ops.cast(mask, "bool")
     keep = _dropout_keep(parts.dropout, query, key) if scores_path and training else None
 
-    def core(b, h, q, k, v, mask_c, *keep_args):
+    def core(b, h, q, k, v, whole_mask, *keep_args):
+        # The piece's mask is cut here, in its forward pass and again in its
+        # recompute: cut outside, every piece's would be kept until its
+        # backward step, the heads of one example each holding a copy of it.
+        mask_c = None if whole_mask is None else _piece_of_mask(whole_mask, b, h)
         if not scores_path:
             return ops.dot_product_attention(
                 query=q, key=k, value=v, bias=None, mask=mask_c, scale=parts.scale, is_causal=causal,
@@ -161,15 +165,17 @@ def _chunked_core(parts, chunks, query, key, value, mask, training, causal):
         return ops.einsum(parts.combine_equation, scores, v)
 
     rows, after = [], []
-    for b in _pieces(query.shape[0], query.shape[2], chunks):
+    pieces = _pieces(query.shape[0], query.shape[2], chunks)
+    by_examples = [_split(x, [b for b, _ in pieces], axis=0) for x in (query, key, value)]
+    for i, b in enumerate(pieces):
         row = []
-        for h in b[1]:
-            qkv = [x[b[0], :, h] for x in (query, key, value)]
+        by_heads = [_split(x[i], b[1], axis=2) for x in by_examples]
+        for j, h in enumerate(b[1]):
+            qkv = [x[j] for x in by_heads]
             if keras.backend.backend() == "jax" and (row or rows):  # XLA would run the pieces side by side
                 qkv = _jax_after(qkv, row[-1] if row else rows[-1])
-            mask_c = None if mask is None else _piece_of_mask(mask, b[0], h)
             keep_args = [] if keep is None else keep.outside(b[0], h)
-            row.append(_remat(functools.partial(core, b[0], h), qkv, [mask_c, *keep_args], after))
+            row.append(_remat(functools.partial(core, b[0], h), qkv, [mask, *keep_args], after))
         rows.append(row[0] if len(row) == 1 else ops.concatenate(row, axis=2))
     return rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=0)
 
@@ -196,6 +202,16 @@ def _pieces(batch, heads, chunks):
         return [(slice(None), _ranges(heads, chunks))]
     per_head = [slice(h, h + 1) for h in range(heads)]
     return [(b, per_head) for b in _ranges(batch, -(-chunks // heads))]
+
+
+def _split(x, slices, axis):
+    """`x` cut along `axis` into the consecutive `slices`, by one split,
+    not a slice each: a slice's gradient is a zero-padded tensor of `x`'s
+    full size, and TensorFlow held every piece's until their sum (at 32
+    pieces, 3 x 32 query-sized tensors); a split's is one concatenation."""
+    if len(slices) == 1:
+        return [x[(slice(None),) * axis + (slices[0],)]]
+    return ops.split(x, [sl.indices(x.shape[axis])[0] for sl in slices[1:]], axis=axis)
 
 
 def _piece_of_mask(mask, b, h):
@@ -271,7 +287,7 @@ def _dropout_keep(dropout, query, key):
     if backend == "tensorflow":  # tf.nn.experimental.stateless_dropout
         import tensorflow as tf
 
-        from graphckpt.runtime.remat_tensorflow import tf_tie
+        from graphckpt.runtime.remat_tensorflow import tf_tie, tf_tie_closed
 
         seed = tf_tie([compat.tf_cast_seed(compat.draw_seed(dropout.seed_generator))], [query])[0]
         if static and dtype == "float32" and shape[2] * shape[3] % 4 == 0:  # 4 floats a Philox counter
@@ -380,7 +396,7 @@ def _jax_remat_after(f, args, n, after):
 def _tf_remat_after(fn, tensors, extras, after):
     import tensorflow as tf
 
-    from graphckpt.runtime.remat_tensorflow import tf_tie
+    from graphckpt.runtime.remat_tensorflow import tf_tie, tf_tie_closed
 
     _, record = keras_compat.tf_eager_internals()
 
@@ -390,7 +406,9 @@ def _tf_remat_after(fn, tensors, extras, after):
             out = fn(*args, *extras)
 
         def grad(dout):
-            tied = tf_tie(list(args) + list(extras), [dout] + after)
+            # The extras by `tf_tie_closed`: a whole attention mask is
+            # ordered, not copied.
+            tied = tf_tie(list(args), [dout] + after) + tf_tie_closed(list(extras), [dout] + after)
             with tf.GradientTape() as tape:
                 tape.watch(tied[: len(args)])
                 again = fn(*tied)

@@ -30,10 +30,12 @@ def segment_remat(f, n_inputs):
         f: a function of tensors returning a tuple of tensors. On
             TensorFlow its recompute is called with a keyword `tie`: a
             function that returns a list of tensors unchanged but ordered
-            after the incoming gradients (`remat_tensorflow._tie_closed`). `f` passes every value
+            after the incoming gradients (`remat_tensorflow.tf_tie_closed`). `f` passes every value
             it closes over through it (state snapshots, integer inputs), so
             that no part of the recompute can run before the gradient
-            exists; a forward call gets no `tie`.
+            exists. In a graph, the forward call's `tie` orders them after
+            the segment's inputs (`remat_tensorflow._after`); an eager one
+            gets none.
         n_inputs: how many leading arguments are the segment's inputs; the
             rest are the values its trainable variables were read as.
     """

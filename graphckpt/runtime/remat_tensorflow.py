@@ -6,7 +6,7 @@ says what goes in and comes out."""
 
 from graphckpt import keras_compat
 
-__all__ = ["tf_remat", "tf_tie", "snapshot", "components"]
+__all__ = ["tf_remat", "tf_tie", "tf_tie_closed", "snapshot", "components"]
 
 
 def snapshot(value):
@@ -47,10 +47,12 @@ def tf_remat(f, n_inputs):
     Gradients are unchanged.
 
     What `f` closes over is tied as well, through its `tie` keyword
-    (`_tie_closed`): a recompute's random masks come from a closed-over seed
+    (`tf_tie_closed`): a recompute's random masks come from a closed-over seed
     snapshot and a causal mask from a closed-over integer input, and no op
     of the recompute, these included, runs before the incoming gradient
-    exists (docs/benchmarks.md, "Nested models and keras_hub").
+    exists (docs/benchmarks.md, "Nested models and keras_hub"). In the
+    forward pass the same `tie` orders them after the segment's inputs
+    (`_after`), so no segment's ops run before the segments ahead of it.
 
     Args:
         f: a function of tensors returning a tuple of tensors.
@@ -65,7 +67,12 @@ def tf_remat(f, n_inputs):
     @tf.custom_gradient
     def inner(*args):
         with record.stop_recording():
-            result = f(*args)
+            if context.executing_eagerly():
+                result = f(*args)
+            else:
+                # Nor does the forward pass start before the segment's
+                # inputs exist (`_after`).
+                result = f(*args, tie=lambda tensors: _after(tensors, args[:n_inputs]))
 
         def grad(*dresult, variables=None):
             with tf.GradientTape() as tape:
@@ -76,7 +83,7 @@ def tf_remat(f, n_inputs):
                     # a data dependency, tied as on JAX: a select on the
                     # gradients' bits, which XLA cannot fold (`tf_tie`).
                     inputs = tf_tie(inputs, dresult)
-                    tie = {"tie": lambda tensors: _tie_closed(tensors, dresult)}
+                    tie = {"tie": lambda tensors: tf_tie_closed(tensors, dresult)}
                 id_args = inputs + list(args[n_inputs:])
                 tape.watch(id_args)
                 if variables:
@@ -110,7 +117,7 @@ def tf_remat(f, n_inputs):
 _SELECT_MAX_ELEMENTS = 1 << 16
 
 
-def _tie_closed(tensors, gradients):
+def tf_tie_closed(tensors, gradients):
     """What a recompute closes over, tied to the gradients: small integers
     and booleans of known size (seed states) by `tf_tie`'s select, a data
     dependency XLA keeps; everything else (frozen weights, moving
@@ -137,6 +144,29 @@ def _tie_closed(tensors, gradients):
         with tf.control_dependencies(after):
             for i in ordered:
                 out[i] = tf.identity(out[i])
+    return out
+
+
+def _after(tensors, inputs):
+    """`tensors`, the dense ones ordered after `inputs` by a control
+    dependency (no copy).
+
+    In the forward pass, what a segment closes over (its integer inputs,
+    seed states, frozen weights) would otherwise be ready when the step
+    starts, and TensorFlow's executor runs what is ready: keras_hub's
+    opened decoders make each block's causal mask (batch x seq x seq int32)
+    from the padding-mask input alone, and every block's ran first and was
+    held until its block (10 of 50 MiB each at sequence 1280)."""
+    import tensorflow as tf
+
+    inputs = [x for x in inputs if isinstance(x, tf.Tensor)]
+    dense = [i for i, x in enumerate(tensors) if isinstance(x, tf.Tensor)]
+    if not inputs or not dense:
+        return list(tensors)
+    out = list(tensors)
+    with tf.control_dependencies(inputs):
+        for i in dense:
+            out[i] = tf.identity(out[i])
     return out
 
 
