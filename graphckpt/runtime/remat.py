@@ -34,7 +34,7 @@ def segment_remat(f, n_inputs):
             it closes over through it (state snapshots, integer inputs), so
             that no part of the recompute can run before the gradient
             exists. In a graph, the forward call's `tie` orders them after
-            the segment's inputs (`remat_tensorflow._after`); an eager one
+            the segment's inputs (`remat_tensorflow.tf_after`); an eager one
             gets none.
         n_inputs: how many leading arguments are the segment's inputs; the
             rest are the values its trainable variables were read as.

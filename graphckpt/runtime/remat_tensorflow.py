@@ -6,7 +6,7 @@ says what goes in and comes out."""
 
 from graphckpt import keras_compat
 
-__all__ = ["tf_remat", "tf_tie", "tf_tie_closed", "snapshot", "components"]
+__all__ = ["tf_remat", "tf_tie", "tf_tie_closed", "tf_after", "snapshot", "components"]
 
 
 def snapshot(value):
@@ -52,7 +52,7 @@ def tf_remat(f, n_inputs):
     of the recompute, these included, runs before the incoming gradient
     exists (docs/benchmarks.md, "Nested models and keras_hub"). In the
     forward pass the same `tie` orders them after the segment's inputs
-    (`_after`), so no segment's ops run before the segments ahead of it.
+    (`tf_after`), so no segment's ops run before the segments ahead of it.
 
     Args:
         f: a function of tensors returning a tuple of tensors.
@@ -71,8 +71,8 @@ def tf_remat(f, n_inputs):
                 result = f(*args)
             else:
                 # Nor does the forward pass start before the segment's
-                # inputs exist (`_after`).
-                result = f(*args, tie=lambda tensors: _after(tensors, args[:n_inputs]))
+                # inputs exist (`tf_after`).
+                result = f(*args, tie=lambda tensors: tf_after(tensors, args[:n_inputs]))
 
         def grad(*dresult, variables=None):
             with tf.GradientTape() as tape:
@@ -147,7 +147,7 @@ def tf_tie_closed(tensors, gradients):
     return out
 
 
-def _after(tensors, inputs):
+def tf_after(tensors, inputs):
     """`tensors`, the dense ones ordered after `inputs` by a control
     dependency (no copy).
 
