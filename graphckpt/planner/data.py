@@ -12,7 +12,13 @@ import dataclasses
 
 import networkx as nx
 
-from graphckpt.graph.layer_graph import INPUT, from_inputs_of, outputs_of, state_chains_of, tensors_of
+from graphckpt.graph.layer_graph import (
+    INPUT,
+    from_inputs_of,
+    outputs_of,
+    state_chains_of,
+    tensors_of,
+)
 
 __all__ = ["PlannedSegment", "Plan", "topological_order", "plan_from_boundaries", "validate_plan", "format_bytes"]
 

@@ -287,7 +287,7 @@ def _dropout_keep(dropout, query, key):
     if backend == "tensorflow":  # tf.nn.experimental.stateless_dropout
         import tensorflow as tf
 
-        from graphckpt.runtime.remat_tensorflow import tf_tie, tf_tie_closed
+        from graphckpt.runtime.remat_tensorflow import tf_tie
 
         seed = tf_tie([compat.tf_cast_seed(compat.draw_seed(dropout.seed_generator))], [query])[0]
         if static and dtype == "float32" and shape[2] * shape[3] % 4 == 0:  # 4 floats a Philox counter
