@@ -263,7 +263,8 @@ def _where_first_read(order, from_inputs, constrained):
     moved = [n for n in order if n in from_inputs and any(True for _ in constrained.successors(n))]
     if not moved:
         return order
-    rest = [n for n in order if n not in set(moved)]
+    stay = set(order) - set(moved)
+    rest = [n for n in order if n in stay]
     for n in reversed(moved):  # readers first: each is placed before it
         place = {m: i for i, m in enumerate(rest)}
         rest.insert(min(place[s] for s in constrained.successors(n)), n)
