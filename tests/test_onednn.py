@@ -28,6 +28,13 @@ pytestmark = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's on
 # whatever the oneDNN setting (docs/limitations.md).
 CASES = ("residual_cnn", "attention")
 BIT_FOR_BIT_WITH_ONEDNN_OFF = ("residual_cnn",)
+# Plain fit's graph-vs-eager difference is one sample of that rounding
+# noise, not its bound: on a host whose oneDNN picks other kernels (AMX),
+# the checkpointed attention case came out at 1.6x it, on key biases whose
+# values are rounding alone (about 2e-9), and at 2x it in absolute terms
+# on other weights (7e-8 against 4e-8 of 0.04). A wrong mask or a lost
+# update moves values by orders of magnitude more.
+NOISE_SAMPLES = 4
 
 
 def _flat(result):
@@ -91,11 +98,15 @@ def _run_child(onednn):
 @pytest.mark.parametrize("onednn", ["0", "1"], ids=["oneDNN off", "oneDNN on"])
 def test_a_checkpointed_model_is_within_plain_fits_own_noise(onednn):
     """Within what plain `fit` itself moves between its graph and eager runs
-    under the same setting (exactly equal where those are), bit for bit
-    with oneDNN off where Grappler rounds nothing differently."""
+    under the same setting (with oneDNN on, within a few samples of it:
+    `NOISE_SAMPLES`), bit for bit with oneDNN off where Grappler rounds
+    nothing differently."""
     diffs = _run_child(onednn)
     for name, d in diffs.items():
-        assert d["checkpoint"] <= d["eager"] and d["flag"] <= d["eager"], (name, d)
+        if onednn == "0":  # exactly what plain fit's own runs give, where they agree
+            assert d["checkpoint"] <= d["eager"] and d["flag"] <= d["eager"], (name, d)
+        else:
+            assert max(d["checkpoint"], d["flag"]) <= NOISE_SAMPLES * d["eager"], (name, d)
         if onednn == "0" and name in BIT_FOR_BIT_WITH_ONEDNN_OFF:
             assert d["checkpoint"] == d["flag"] == 0.0, (name, d)
 
