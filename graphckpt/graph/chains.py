@@ -85,13 +85,13 @@ def from_inputs(graph, chains):
     `chains` (`state_chains(graph)`), and reads only model inputs and such
     calls' outputs. They can run anywhere before their readers, with the
     same results."""
-    found = set()
+    found, chained = set(), {key for chain in chains for key in chain}
     for key, data in sorted(graph.nodes(data=True), key=lambda item: item[1]["position"]):
         if data["kind"] == INPUT:
             continue
         layer = data["layer"]
         # `variables`: weights, statistics and seed-generator states (ops have none)
-        if getattr(layer, "variables", ()) or _runs_user_code(layer) or any(key in chain for chain in chains):
+        if getattr(layer, "variables", ()) or _runs_user_code(layer) or key in chained:
             continue
         if all(graph.nodes[p]["kind"] == INPUT or p in found for p in graph.predecessors(key)):
             found.add(key)

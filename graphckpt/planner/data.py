@@ -260,7 +260,7 @@ def _where_first_read(order, from_inputs, constrained):
     decoder opened at sequence 1280 makes a (batch, 1280, 1280) int32 mask
     of 50 MiB per block: in ASAP order all of them were kept.)
     """
-    moved = [n for n in order if n in from_inputs and any(True for _ in constrained.successors(n))]
+    moved = [n for n in order if n in from_inputs and constrained.out_degree(n)]
     if not moved:
         return order
     stay = set(order) - set(moved)

@@ -138,12 +138,9 @@ def tf_tie_closed(tensors, gradients):
     out = list(tensors)
     for i, x in zip(selected, tf_tie([tensors[i] for i in selected], gradients)):
         out[i] = x
-    after = [g for g in gradients if g is not None]
     ordered = sorted(set(dense) - set(selected))
-    if after and ordered:
-        with tf.control_dependencies(after):
-            for i in ordered:
-                out[i] = tf.identity(out[i])
+    for i, x in zip(ordered, tf_after([tensors[i] for i in ordered], gradients)):
+        out[i] = x
     return out
 
 
@@ -159,7 +156,7 @@ def tf_after(tensors, inputs):
     held until its block (10 of 50 MiB each at sequence 1280)."""
     import tensorflow as tf
 
-    inputs = [x for x in inputs if isinstance(x, tf.Tensor)]
+    inputs = [x for x in inputs if x is not None]
     dense = [i for i, x in enumerate(tensors) if isinstance(x, tf.Tensor)]
     if not inputs or not dense:
         return list(tensors)
