@@ -53,6 +53,11 @@ def tf_remat(f, n_inputs):
     exists (docs/benchmarks.md, "Nested models and keras_hub"). In the
     forward pass the same `tie` orders them after the segment's inputs
     (`tf_after`), so no segment's ops run before the segments ahead of it.
+    Ops `f` makes from no input at all (keras_hub's causal mask: a range
+    broadcast to batch x seq x seq) are ordered by a control dependency on
+    the same values, the segment's inputs forward and the incoming
+    gradients in the recompute: each is otherwise ready when the step
+    starts, and every segment's ran then and was held.
 
     Args:
         f: a function of tensors returning a tuple of tensors.
@@ -71,24 +76,28 @@ def tf_remat(f, n_inputs):
                 result = f(*args)
             else:
                 # Nor does the forward pass start before the segment's
-                # inputs exist (`tf_after`).
-                result = f(*args, tie=lambda tensors: tf_after(tensors, args[:n_inputs]))
+                # inputs exist: what it closes over (`tf_after`), and the
+                # ops it makes from nothing (a causal mask's range).
+                with tf.control_dependencies([x for x in args[:n_inputs] if isinstance(x, tf.Tensor)]):
+                    result = f(*args, tie=lambda tensors: tf_after(tensors, args[:n_inputs]))
 
         def grad(*dresult, variables=None):
             with tf.GradientTape() as tape:
                 inputs = [tf.identity(x) for x in args[:n_inputs]]
-                tie = {}
+                tie, after = {}, []
                 if not context.executing_eagerly():
                     # As tf.recompute_grad: recompute once dresult exists,
                     # a data dependency, tied as on JAX: a select on the
                     # gradients' bits, which XLA cannot fold (`tf_tie`).
                     inputs = tf_tie(inputs, dresult)
                     tie = {"tie": lambda tensors: tf_tie_closed(tensors, dresult)}
+                    after = [g for g in dresult if isinstance(g, tf.Tensor)]
                 id_args = inputs + list(args[n_inputs:])
                 tape.watch(id_args)
                 if variables:
                     tape.watch(variables)
-                recomputed = f(*id_args, **tie)
+                with tf.control_dependencies(after):
+                    recomputed = f(*id_args, **tie)
             # NONE, not tf.recompute_grad's ZERO: a variable that reaches no
             # output (say, only through stop_gradient) gets None, as in the
             # original, which optimizers skip; a zero would be applied.
