@@ -4,10 +4,11 @@
 # TensorFlow, then the tests marked `backends` on each other backend but
 # the first (PyTorch). Lane 2: those tests on the first other backend
 # (JAX), then on TensorFlow with the oldest Keras and with keras-nightly.
-# On a clean clone, 2026-12-07: TF 23:49 + torch 3:44 (27:33) against
-# JAX 15:54 + Keras 3.15.0 6:31 + nightly 6:39 (29:04). Every
+# On a clean clone, 2026-12-07 (7ca150c): TF 24:08 + torch 3:29 (27:37)
+# against JAX 20:16 + Keras 3.15.0 6:18 + nightly 5:20 (31:54). Every
 # run goes on even if an earlier one failed; each run's output is printed
-# whole, in this order, once all are done. Exits 1 if any run failed.
+# whole, in this order, once all are done, its ten slowest tests at the
+# end (what to mark slow when a lane grows). Exits 1 if any run failed.
 #
 # Usage: .ci/lanes.sh PYTHON OLDEST_DIR NIGHTLY_DIR BACKEND...
 set -u
@@ -23,7 +24,7 @@ run() {  # run NAME TITLE ENV... -- ARGS...
     while [ "$1" != "--" ]; do env+=("$1"); shift; done
     shift
     echo "== $title ==" > "$logs/$name.log"
-    env "${env[@]}" "$py" -m pytest -q "$@" >> "$logs/$name.log" 2>&1
+    env "${env[@]}" "$py" -m pytest -q --durations=10 "$@" >> "$logs/$name.log" 2>&1
     echo $? > "$logs/$name.rc"
 }
 

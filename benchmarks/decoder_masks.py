@@ -1,86 +1,65 @@
-"""Where the LoRA line of issue 35 stands: keras_hub `TransformerDecoder`s
-(the blocks of GPT2CausalLM: dim 256, 4 heads, FFN 1024, dropout 0.1) at
-sequence 1280, batch 8, opened with `attention_chunks=8`, with and without
-a padding mask, measured beside graphckpt's estimate.
-
-TensorFlow CPU, BFC allocator: the peak of the second compiled training
-step above the memory in use before it, one fresh process per row.
+"""Issue 35's LoRA line at the level of its blocks: keras_hub
+`TransformerDecoder`s (GPT2CausalLM's: dim 256, 4 heads, FFN 1024,
+dropout 0.1) at sequence 1280, batch 8, with and without a padding mask,
+the default plan and `open_layers=True, attention_chunks=8`, measured
+(`graphckpt.measure`: a fresh process per run, TensorFlow's allocator
+peak over training steps) beside graphckpt's estimate.
 
     PYTHONPATH=. .venv/bin/python benchmarks/decoder_masks.py [--seq 1280] [--depth 4]
 
-With the padding mask, the measured peak is about twice the estimate;
-without it, close. Not explained yet (benchmarks/notes.md, "Attention in
-chunks").
+Each decoder makes its causal mask (batch x seq x seq) from no input at
+all, and with a padding mask a batch x seq x seq int32 merge of the two:
+ops TensorFlow's executor may run as soon as the step starts unless
+something orders them (graphckpt.runtime.remat_tensorflow.tf_remat).
 """
 
 import argparse
-import json
-import os
-import subprocess
-import sys
+import pathlib
+import warnings
+
+from graphckpt.measure import measure
 
 BATCH = 8
+PLANS = {"default": {}, "open_layers, attention_chunks=8": {"open_layers": True, "attention_chunks": 8}}
 
 
-def _row(seq, depth, padding, mode):
-    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+def decoders(seq=1280, depth=4, padding=True):
+    """`depth` keras_hub TransformerDecoders (pre-norm) on (seq, 256)
+    features, with a padding-mask input when `padding`."""
     import keras
     import keras_hub
-    import tensorflow as tf
 
-    import graphckpt
-
-    x = keras.Input((seq, 256))
-    mask = keras.Input((seq,), dtype="int32")
-    h = x
+    inputs = {"x": keras.Input((seq, 256), name="x")}
+    if padding:
+        inputs["padding_mask"] = keras.Input((seq,), dtype="int32", name="padding_mask")
+    h = inputs["x"]
     for _ in range(depth):
         block = keras_hub.layers.TransformerDecoder(1024, 4, dropout=0.1, normalize_first=True)
-        h = block(h, decoder_padding_mask=mask if padding else None)
-    model = keras.Model([x, mask], h) if padding else keras.Model(x, h)
-    shape = [(BATCH, seq, 256), (BATCH, seq)] if padding else (BATCH, seq, 256)
-    kwargs = {"open_layers": True, "attention_chunks": 8} if mode == "chunks" else {}
-    plan = graphckpt.plan(model, input_shape=shape, **kwargs)
-    ck = graphckpt.checkpoint_model(model, input_shape=shape, **kwargs)
-    xs = tf.random.normal((BATCH, seq, 256))
-    xs = [xs, tf.ones((BATCH, seq), "int32")] if padding else xs
-    weights = ck.trainable_variables
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(ck(xs, training=True) ** 2)
-        return tape.gradient(loss, weights)
-
-    step()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    step()
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
-    return {"padding_mask": padding, "plan": mode, "estimated_mib": round(plan.estimated_peak_bytes / 2**20, 1),
-            "measured_mib": round(peak / 2**20, 1)}
+        h = block(h, decoder_padding_mask=inputs.get("padding_mask"))
+    return keras.Model(inputs, h)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=1280)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--row", nargs=2, metavar=("PADDING", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.row:
-        print(json.dumps(_row(args.seq, args.depth, args.row[0] == "1", args.row[1])))
-        return
+    import graphckpt
+
     print("| padding mask | plan | estimated | measured |\n|---|---|---:|---:|")
-    for padding in ("1", "0"):
-        for mode in ("default", "chunks"):
-            out = subprocess.run(
-                [sys.executable, __file__, "--seq", str(args.seq), "--depth", str(args.depth), "--row", padding, mode],
-                capture_output=True, text=True, check=True,
-            ).stdout
-            row = json.loads(out.strip().splitlines()[-1])
-            plan = "open_layers, attention_chunks=8" if mode == "chunks" else "default"
-            print(f"| {'yes' if row['padding_mask'] else 'no'} | {plan} | {row['estimated_mib']} MiB | "
-                  f"{row['measured_mib']} MiB |", flush=True)
+    for padding in (True, False):
+        config = dict(seq=args.seq, depth=args.depth, padding=padding)
+        shape = {"x": (BATCH, args.seq, 256), **({"padding_mask": (BATCH, args.seq)} if padding else {})}
+        model = decoders(**config)
+        for name, kwargs in PLANS.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = graphckpt.plan(model, input_shape=shape, **kwargs)
+            m = measure(f"{pathlib.Path(__file__).resolve()}:decoders", batch_size=BATCH, builder_kwargs=config,
+                        method="graphckpt", checkpoint_kwargs=dict(kwargs, input_shape=shape), input_shape=shape,
+                        label=name, steps=2, warmup=1, timeout=1800)
+            print(f"| {'yes' if padding else 'no'} | {name} | {plan.estimated_peak_bytes / 2**20:.1f} MiB | "
+                  f"{m.peak_bytes / 2**20:.1f} MiB |", flush=True)
 
 
 if __name__ == "__main__":
