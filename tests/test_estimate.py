@@ -328,6 +328,49 @@ def test_grouped_query_attention_is_estimated_with_its_own_heads():
     assert 0.8 * mha < gqa < mha  # fewer key/value heads: a little less
 
 
+def test_an_attention_called_by_keyword_is_estimated_as_called_by_position():
+    """Keras orders a call's keyword tensors by name: keras_hub's
+    `attention(query=x, value=x, attention_mask=mask)` has the mask first.
+    The rule reads the query, not the mask (a boolean causal mask had made
+    the scores a quarter of their bytes), as a layer of layers does too."""
+    seq = 64
+
+    def calls(by_keyword):
+        x = keras.Input((seq, 32))
+        mask = keras.Input((seq, seq), dtype="bool")
+        mha = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)
+        y = mha(query=x, value=x, attention_mask=mask) if by_keyword else mha(x, x, attention_mask=mask)
+        model = keras.Model([x, mask], keras.layers.Dense(2)(y))
+        return {c.class_name: c for c in graphckpt.estimate(model, input_shape=[(2, seq, 32), (2, seq, seq)]).calls}
+
+    by_position, by_keyword = calls(False)["MultiHeadAttention"], calls(True)["MultiHeadAttention"]
+    assert by_keyword.rule == "attention"
+    assert by_keyword.kept_bytes == by_position.kept_bytes > 2 * (2 * 4 * seq * seq * F)  # scores, float32
+    assert by_keyword.workspace_bytes == by_position.workspace_bytes
+    assert by_keyword.flops == by_position.flops
+
+    class CausalBlock(keras.layers.Layer):  # keras_hub's decoders call their attention so
+        def __init__(self, by_keyword, **kwargs):
+            super().__init__(**kwargs)
+            self.by_keyword = by_keyword
+            self.mha = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)
+
+        def call(self, x):
+            causal = keras.ops.tril(keras.ops.ones((seq, seq), "bool"))[None]
+            if self.by_keyword:
+                return self.mha(query=x, value=x, attention_mask=causal)
+            return self.mha(x, x, attention_mask=causal)
+
+    def block(by_keyword):
+        x = keras.Input((seq, 32))
+        model = keras.Model(x, keras.layers.Dense(2)(CausalBlock(by_keyword)(keras.layers.Dense(32)(x))))
+        (call,) = [c for c in graphckpt.estimate(model, input_shape=(2, seq, 32)).calls if c.class_name == "CausalBlock"]
+        return call
+
+    assert block(True).rule == "layers inside"
+    assert block(True).kept_bytes == block(False).kept_bytes
+
+
 def test_a_subclass_of_multi_head_attention_gets_its_rule():
     class Cached(keras.layers.MultiHeadAttention):  # as keras_hub's CachedMultiHeadAttention
         pass

@@ -16,7 +16,7 @@ from graphckpt import keras_compat
 from graphckpt.estimator import rules
 from graphckpt.graph.build import TensorInfo, dtype_size
 
-__all__ = ["composite_rule"]
+__all__ = ["composite_rule", "in_parameter_order", "parameter_order"]
 
 
 @contextlib.contextmanager
@@ -133,3 +133,41 @@ def _call_parameters(layer):
         return inspect.signature(layer.call).parameters
     except (TypeError, ValueError):
         return {}
+
+
+def parameter_order(layer, node):
+    """The indices of a call's input tensors (`node.input_tensors`) in the
+    order of `layer.call`'s parameters, or None where that is their order
+    already (or unknown).
+
+    Keras flattens a call's keyword arguments by name, so keras_hub's
+    `attention(query=x, value=x, attention_mask=mask)` has the mask first,
+    and a rule that reads the query as its first input read the mask: a
+    boolean causal mask made the scores a quarter of their bytes
+    (benchmarks/notes.md, "The LoRA line")."""
+    arguments = getattr(node, "arguments", None)
+    if arguments is None or not arguments.kwargs:
+        return None
+    rank = {name: i for i, name in enumerate(_call_parameters(layer))}
+    keys = []
+    for i, arg in enumerate(arguments.args):
+        keys += [(i, j) for j, _ in enumerate(_tensors(arg))]
+    for name in sorted(arguments.kwargs):  # Keras's order
+        keys += [(rank.get(name, len(rank)), j) for j, _ in enumerate(_tensors(arguments.kwargs[name]))]
+    if len(keys) != len(node.input_tensors):
+        return None
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return None if order == list(range(len(keys))) else order
+
+
+def in_parameter_order(rule_of, layer, ins, outs, node):
+    """`rule_of(layer, ins, outs)` with `ins` in the order of the layer's
+    call parameters (`layers_inside.parameter_order`: query before an
+    attention mask passed by keyword), its saved inputs mapped back."""
+    order = parameter_order(layer, node) if node is not None else None
+    if order is None:
+        return rule_of(layer, ins, outs)
+    rule = rule_of(layer, [ins[i] for i in order], outs)
+    if rule is None:
+        return None
+    return dataclasses.replace(rule, saved_inputs=frozenset(order[i] for i in rule.saved_inputs if i < len(order)))

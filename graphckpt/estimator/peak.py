@@ -30,6 +30,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import keras
@@ -177,7 +178,7 @@ def _rule(layer, ins, outs, node=None):
         return _nested_rule(layer, ins, outs, None)
     if not isinstance(layer, keras.layers.Layer):  # a keras.ops operation
         return keras_rules.rule_of_op(layer, ins, outs)
-    found = keras_rules.rule_of_layer(layer, ins, outs)
+    found = layers_inside.in_parameter_order(keras_rules.rule_of_layer, layer, ins, outs, node)
     if found is not None:
         return found
     if node is not None and keras_compat.has_sublayers(layer):
@@ -265,7 +266,10 @@ def _costs(graph, batch_size, attention_chunks=None):
         outs = [tensors[k] for k in data["out_keys"]]
         rule = _rule(data["layer"], ins, outs, data.get("node"))
         if attention_chunks and chunkable_attention(data["layer"]):
-            rule = keras_rules.chunked_attention(data["layer"], ins, outs, attention_chunks)
+            rule = layers_inside.in_parameter_order(
+                functools.partial(keras_rules.chunked_attention, chunks=attention_chunks),
+                data["layer"], ins, outs, data.get("node"),
+            )
         by_call[key] = rule
         reads[key] = frozenset(ins[i].key for i in rule.saved_inputs if i < len(ins) and rules.is_float(ins[i]))
         saved.update(reads[key], (outs[i].key for i in rule.saved_outputs if i < len(outs)))
